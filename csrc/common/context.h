@@ -1,0 +1,63 @@
+// One Context per Communicator: the mapped peer regions and the fixed launch
+// shape. Python creates it (pyallreduce._C.create_context) after the transport
+// has mapped every peer, and passes its integer handle to the custom ops, which
+// keeps the op schemas free of opaque objects (torch.compile sees a constant).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "protocol.h"
+
+namespace pyallreduce {
+
+struct Context {
+  int rank = 0;
+  int world_size = 1;
+  int64_t max_bytes = 0;
+  int nblocks = 1;             // fixed for the communicator's life (see protocol.h)
+  int64_t timeout_ns = 0;      // deadline of every spin
+  bool is_cuda = false;
+  int device = -1;             // CUDA device index, -1 for host memory
+  std::array<char*, kMaxRanks> regions{};  // region base of every rank, own included
+  std::vector<int64_t> pids;   // host backend: peers' pids, to report a dead rank early
+
+  // One collective in flight per communicator: a second thread is rejected,
+  // never interleaved (interleaving would pair different calls across ranks).
+  std::mutex in_flight;
+  // Set when a collective failed mid-protocol (deadline, dead peer): flags and
+  // epochs are then out of step across ranks, so every later call must refuse.
+  std::atomic<bool> broken{false};
+  std::string broken_reason;
+  // Set by destroy_context under in_flight: a thread that fetched the context
+  // just before close() must not touch the (soon unmapped) regions.
+  bool closed = false;
+
+  char* own_region() const { return regions[rank]; }
+};
+
+// Registry of live contexts, indexed by handle.
+int64_t register_context(std::unique_ptr<Context> ctx);
+void destroy_context(int64_t handle);
+std::shared_ptr<Context> get_context(int64_t handle);
+
+// Holds ctx.in_flight for one collective and refuses a broken or busy context.
+class CollectiveGuard {
+ public:
+  explicit CollectiveGuard(Context& ctx);
+  ~CollectiveGuard();
+  CollectiveGuard(const CollectiveGuard&) = delete;
+  CollectiveGuard& operator=(const CollectiveGuard&) = delete;
+  // Marks the context unusable; later calls raise with this reason.
+  void fail(const std::string& reason);
+
+ private:
+  Context& ctx_;
+};
+
+}  // namespace pyallreduce

@@ -1,0 +1,57 @@
+// Argument checks shared by every backend's op implementation. The Python
+// Communicator validates first with friendlier messages; these are the last
+// line, so a direct torch.ops call can never read or write out of bounds.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "context.h"
+
+namespace pyallreduce {
+
+// Raises unless input/out are contiguous tensors of one supported dtype and
+// numel, on the context's device, fitting one staging buffer, and algo is known.
+void check_collective_args(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
+                           int64_t algo);
+
+// Backends register one implementation; the three op entry points share it.
+using AllReduceImpl = void (*)(Context& ctx, const at::Tensor& input, at::Tensor& out,
+                               int64_t algo, bool average);
+
+}  // namespace pyallreduce
+
+namespace pyallreduce {
+
+// Runs one collective: guards the context, checks the arguments, and marks the
+// context broken if the implementation fails after it started signalling.
+void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
+                    int64_t algo, bool average);
+
+// The three op entry points (schemas in csrc/module.cpp) over one backend's Impl.
+template <AllReduceImpl Impl>
+struct OpEntryPoints {
+  static at::Tensor all_reduce(const at::Tensor& input, int64_t handle, int64_t algo, bool average) {
+    at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    run_collective(Impl, handle, input, out, algo, average);
+    return out;
+  }
+  static void all_reduce_out(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo,
+                             bool average) {
+    run_collective(Impl, handle, input, out, algo, average);
+  }
+  static void all_reduce_inplace(at::Tensor tensor, int64_t handle, int64_t algo, bool average) {
+    run_collective(Impl, handle, tensor, tensor, algo, average);
+  }
+};
+
+}  // namespace pyallreduce
+
+// Registers a backend's Impl for the dispatch key KEY (CPU or CUDA).
+#define PYALLREDUCE_REGISTER_BACKEND(KEY, IMPL)                                   \
+  TORCH_LIBRARY_IMPL(pyallreduce, KEY, m) {                                       \
+    using Entry = ::pyallreduce::OpEntryPoints<IMPL>;                             \
+    m.impl("all_reduce", &Entry::all_reduce);                                     \
+    m.impl("all_reduce_out", &Entry::all_reduce_out);                             \
+    m.impl("all_reduce_", &Entry::all_reduce_inplace);                            \
+  }

@@ -1,0 +1,90 @@
+#include "shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+namespace pyallreduce {
+namespace {
+
+[[noreturn]] void raise_errno(const char* what, const std::string& name) {
+  TORCH_CHECK(false, "pyallreduce: ", what, " of shared-memory segment '", name, "' failed: ",
+              std::strerror(errno));
+}
+
+void* map_fd(int fd, int64_t size, const std::string& name) {
+  // MAP_POPULATE: fault every page in now, not inside the first collective.
+  void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (addr == MAP_FAILED) {
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    raise_errno("mmap", name);
+  }
+  close(fd);
+  return addr;
+}
+
+// Creates a new zero-filled segment readable and writable by this user only.
+// O_EXCL: an existing name (another job's, or a guess planted by another user)
+// is an error, never silently shared.
+int64_t shm_create(const std::string& name, int64_t size) {
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
+  if (fd < 0) raise_errno("create", name);
+  if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(fd, size) != 0) {
+    int saved = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    errno = saved;
+    raise_errno("sizing", name);
+  }
+  return reinterpret_cast<int64_t>(map_fd(fd, size, name));
+}
+
+// Maps a peer's segment after checking it is ours and of the expected size.
+int64_t shm_map(const std::string& name, int64_t size) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) raise_errno("open", name);
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    raise_errno("stat", name);
+  }
+  if (st.st_uid != geteuid() || st.st_size != size) {
+    close(fd);
+    TORCH_CHECK(false, "pyallreduce: shared-memory segment '", name, "' has owner uid ", st.st_uid,
+                " and size ", st.st_size, "; expected uid ", geteuid(), " and size ", size,
+                " (all ranks must run as one user with the same max_bytes)");
+  }
+  return reinterpret_cast<int64_t>(map_fd(fd, size, name));
+}
+
+// Returns false if the name was already gone (another rank removed it first).
+bool shm_remove(const std::string& name) {
+  if (shm_unlink(name.c_str()) == 0) return true;
+  if (errno == ENOENT) return false;
+  raise_errno("unlink", name);
+}
+
+void shm_unmap(int64_t addr, int64_t size) {
+  TORCH_CHECK(munmap(reinterpret_cast<void*>(addr), size) == 0, "pyallreduce: munmap failed: ",
+              std::strerror(errno));
+}
+
+}  // namespace
+
+void bind_shm(pybind11::module_& m) {
+  m.def("shm_create", &shm_create, py::arg("name"), py::arg("size"));
+  m.def("shm_map", &shm_map, py::arg("name"), py::arg("size"));
+  m.def("shm_remove", &shm_remove, py::arg("name"));
+  m.def("shm_unmap", &shm_unmap, py::arg("addr"), py::arg("size"));
+}
+
+}  // namespace pyallreduce

@@ -1,0 +1,481 @@
+// One-shot and two-shot all-reduce kernels over CUDA IPC memory (protocol in
+// csrc/common/protocol.h, explained in docs/architecture.md). Templated on the
+// element type and the world size so every per-peer loop is unrolled and the W
+// peer pointers live in registers; csrc/cuda/all_reduce.cu only checks inputs
+// and calls launch_all_reduce() below.
+//
+// Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
+// thread t of a block handles the 16-byte vector t of each of its chunks.
+// Chunk c belongs to block c % gridDim.x on every rank, and gridDim.x is the
+// communicator's fixed nblocks, so block b of every rank touches the same bytes
+// in every call and algorithm: that is what lets per-block flags (no grid-wide
+// barrier) and double buffering (no end barrier) work.
+//
+// Summation is in fp32, always in rank order 0..W-1, with no FMA (only adds;
+// the build also passes -fmad=false), and "avg" is a true IEEE division by W:
+// every rank, and the CPU and Triton backends, produce the same bits.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "../common/protocol.h"
+
+namespace pyallreduce {
+namespace cuda {
+
+// 512 threads: enough 16-byte loads in flight per block to cover NVLink
+// latency with few blocks (the SMs are shared with the training beside us).
+constexpr int kThreads = 512;
+constexpr int kVecBytes = 16;
+constexpr int64_t kChunkBytes = int64_t(kThreads) * kVecBytes;
+// Plain copies (copy-in, two-shot gather) keep this many 16-byte loads per
+// thread in flight before storing, so a copy is not one round trip per vector.
+constexpr int kCopyBatch = 4;
+
+// Where the W buffers a call reduces from live.
+enum Mode : int {
+  // Every rank copies its input into its own staging buffer data[e % 2]; peers
+  // read the staging buffers. No end barrier (double buffering).
+  kStaged = 0,
+  // Zero-copy: peers read each rank's registered input in place and out is a
+  // separate tensor. One-shot then needs an end barrier (the caller may
+  // overwrite the input as soon as the kernel returns); two-shot does not (the
+  // inputs are only read before its mid barrier).
+  kRegistered = 1,
+  // Zero-copy and out == input: two-shot only (launch_all_reduce forces it),
+  // owners reduce in place, every rank gathers into its own registered buffer,
+  // end barrier.
+  kRegisteredInPlace = 2,
+};
+
+// One call as the glue (csrc/cuda/all_reduce.cu) describes it.
+struct Call {
+  char* regions[kMaxRanks];     // each rank's region base as mapped in this process
+  char* registered[kMaxRanks];  // zero-copy modes: each rank's input as mapped here
+  const char* input;            // this rank's input (16-byte aligned)
+  char* out;                    // this rank's output (16-byte aligned)
+  int64_t bytes;                // payload size, a multiple of the element size
+  int64_t max_bytes;            // size of one staging buffer
+  int64_t timeout_ns;           // deadline of every spin
+  int rank;
+  Mode mode;
+  bool average;                 // divide the fp32 sum by W before the cast
+};
+
+// What the kernels receive, by value (kernel parameter space, so a CUDA graph
+// captures it as is). Buffers are given for an even epoch plus the shift an
+// odd epoch adds (max_bytes for staging buffers, 0 for registered ones): the
+// kernels then address every peer as a parameter-bank base + one register,
+// instead of holding W 64-bit pointers chosen at run time in registers.
+struct KernelArgs {
+  char* regions[kMaxRanks];        // flags, epochs
+  const char* sources[kMaxRanks];  // the W buffers reduced from
+  char* reduced[kMaxRanks];        // two-shot: where rank q leaves its reduced chunks
+  int64_t sources_odd_shift;
+  int64_t reduced_odd_shift;
+  const char* input;
+  char* out;
+  int64_t bytes;
+  int64_t timeout_ns;
+  int rank;
+  int mode;
+  bool average;
+};
+
+// ---- protocol layout in device code ----------------------------------------
+// protocol.h's flag_index/staging_offset are host-only constexpr functions
+// (calling them from device code needs --expt-relaxed-constexpr); these are the
+// same formulas, and the static_asserts keep the two from drifting apart.
+
+__host__ __device__ constexpr int64_t device_flag_index(int block, int rank) {
+  return int64_t(block) * kMaxRanks + rank;
+}
+__host__ __device__ constexpr int64_t device_staging_offset(uint32_t epoch, int64_t max_bytes) {
+  return kDataOffset + int64_t(epoch & 1u) * max_bytes;
+}
+static_assert(device_flag_index(5, 3) == flag_index(5, 3), "flag layout drifted from protocol.h");
+static_assert(device_staging_offset(7, 1 << 20) == staging_offset(7, 1 << 20) &&
+                  device_staging_offset(8, 1 << 20) == staging_offset(8, 1 << 20),
+              "staging layout drifted from protocol.h");
+static_assert(kDataOffset % kVecBytes == 0 && kAlignment % kVecBytes == 0,
+              "staging buffers must keep 16-byte vectors aligned");
+
+__device__ __forceinline__ uint32_t* flag_ptr(char* region, int64_t array_offset, int block,
+                                              int rank) {
+  return reinterpret_cast<uint32_t*>(region + array_offset) + device_flag_index(block, rank);
+}
+
+// ---- memory-model primitives -------------------------------------------------
+
+// System scope: the other side is another process, maybe on another GPU.
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(v)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+               : "=r"(v)
+               : "l"(__cvta_generic_to_global(p))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- per-block epoch -----------------------------------------------------------
+
+// e = ++epoch[block] in this rank's own region, read and written by thread 0
+// only and broadcast through shared memory. The counter lives in device memory
+// so a replayed CUDA graph keeps counting. Calls that run a second barrier on
+// start_flags (the zero-copy end barrier) consume two epochs: that barrier
+// waits for e + 1, so it can never be satisfied by the start barrier's e.
+// Consecutive launches on one stream are ordered, so plain accesses suffice.
+__device__ __forceinline__ uint32_t advance_epoch(char* own_region, uint32_t epochs_used) {
+  __shared__ uint32_t shared_epoch;
+  if (threadIdx.x == 0) {
+    uint32_t* counter = reinterpret_cast<uint32_t*>(own_region + kEpochOffset) + blockIdx.x;
+    const uint32_t e = *counter + 1;
+    *counter = e + epochs_used - 1;
+    shared_epoch = e;
+  }
+  __syncthreads();
+  return shared_epoch;
+}
+
+// ---- barrier ----------------------------------------------------------------
+
+// Block b meets block b of every peer on one flag array at epoch e: thread q
+// (q < W) tells rank q "I am at e" and waits until rank q told us the same.
+//
+// Ordering: the data this block wrote before the barrier (copy-in, two-shot
+// reduced chunks) is written by all 512 threads, the release only by threads
+// < W. No __threadfence_system() is needed: __syncthreads() (bar.sync)
+// synchronizes the block's threads at CTA scope, so those stores precede the
+// release in the PTX memory model's causality order, and a release is
+// cumulative: a peer whose acquire load reads our flag sees everything that
+// precedes the release, from any thread of the block. The mirror image holds
+// after the wait: thread q's acquire, then bar.sync, then every thread's loads
+// of peer data. (vLLM's custom all-reduce and PyTorch's SymmetricMemory rely
+// on the same syncthreads + release/acquire pattern.)
+//
+// Deadline: every wait reads %globaltimer; past timeout_ns it prints who is
+// missing and traps, which fails the launch with an error instead of hanging.
+template <int W>
+__device__ __forceinline__ void barrier(const KernelArgs& a, char* own_region, int64_t array_offset,
+                                        uint32_t e, const char* name) {
+  __syncthreads();
+  if (threadIdx.x < W) {
+    const int q = threadIdx.x;
+    store_release_sys(flag_ptr(a.regions[q], array_offset, blockIdx.x, a.rank), e);
+    const uint32_t* own = flag_ptr(own_region, array_offset, blockIdx.x, q);
+    uint64_t started = 0;
+    uint32_t flag;
+    while (!epoch_reached(flag = load_acquire_sys(own), e)) {
+      const uint64_t now = global_timer_ns();
+      if (started == 0) {
+        started = now;  // the clock is read only once the flag was not already there
+      } else if (now - started > uint64_t(a.timeout_ns)) {
+        printf("pyallreduce: rank %d block %d epoch %u: rank %d never arrived at the %s barrier "
+               "(%s[%d][%d] = %u, waited %llu ns). Every rank must make the same collective "
+               "calls in the same order; trapping.\n",
+               a.rank, int(blockIdx.x), e, q, name,
+               array_offset == kMidFlagsOffset ? "mid_flags" : "start_flags", int(blockIdx.x), q,
+               flag, static_cast<unsigned long long>(now - started));
+        __trap();
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// ---- element conversions --------------------------------------------------------
+
+// Raw bits of one element and its exact conversion to fp32 and back with
+// round-to-nearest-even (the same cvt instructions torch and Triton use).
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Bits = uint32_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ Bits from_float(float f) { return __float_as_uint(f); }
+};
+template <>
+struct Elem<__half> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ Bits from_float(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(uint32_t(b) << 16); }
+  static __device__ __forceinline__ Bits from_float(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+// One 16-byte vector, viewed as raw elements.
+template <typename T>
+union Vec {
+  using Bits = typename Elem<T>::Bits;
+  static constexpr int kElems = kVecBytes / sizeof(Bits);
+  int4 v;
+  Bits e[kElems];
+};
+
+// Loads the 16-byte vector at p, of which only `valid` bytes (> 0) belong to
+// the payload: the last vector of a call whose size is not a multiple of 16 is
+// read element by element, so nothing past the tensor's end is touched.
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const char* p, int64_t valid) {
+  Vec<T> r;
+  if (valid >= kVecBytes) {
+    r.v = *reinterpret_cast<const int4*>(p);
+  } else {
+    r.v = make_int4(0, 0, 0, 0);
+    const auto* src = reinterpret_cast<const typename Vec<T>::Bits*>(p);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems; ++i) {
+      if (int64_t(i) * int64_t(sizeof(src[0])) < valid) r.e[i] = src[i];
+    }
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(char* p, const Vec<T>& x, int64_t valid) {
+  if (valid >= kVecBytes) {
+    *reinterpret_cast<int4*>(p) = x.v;
+  } else {
+    auto* dst = reinterpret_cast<typename Vec<T>::Bits*>(p);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems; ++i) {
+      if (int64_t(i) * int64_t(sizeof(dst[0])) < valid) dst[i] = x.e[i];
+    }
+  }
+}
+
+// cast(sum over q = 0..W-1 of float(src[q][off..off+16))) (/ W). All W loads
+// are issued before the first add so they are in flight together.
+template <typename T, int W>
+__device__ __forceinline__ Vec<T> reduce_vec(const char* const (&src)[W], int64_t off,
+                                             int64_t valid, bool average) {
+  Vec<T> in[W];
+#pragma unroll
+  for (int q = 0; q < W; ++q) in[q] = load_vec<T>(src[q] + off, valid);
+  float acc[Vec<T>::kElems];
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) acc[i] = Elem<T>::to_float(in[0].e[i]);
+#pragma unroll
+  for (int q = 1; q < W; ++q) {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kElems; ++i) acc[i] += Elem<T>::to_float(in[q].e[i]);
+  }
+  Vec<T> r;
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) {
+    // __fdiv_rn: IEEE division whatever the division flags; a reciprocal
+    // multiply would differ from the other backends in the last bit.
+    r.e[i] = Elem<T>::from_float(average ? __fdiv_rn(acc[i], float(W)) : acc[i]);
+  }
+  return r;
+}
+
+// arr[i] for a runtime i < W without indexing a local array (which would
+// spill the array to local memory): W predicated selects.
+template <int W, typename P>
+__device__ __forceinline__ P select_rank(const P* arr, int i) {
+  P r = arr[0];
+#pragma unroll
+  for (int q = 1; q < W; ++q) r = (q == i) ? arr[q] : r;
+  return r;
+}
+
+// Byte offset of this thread's vector in chunk c.
+__device__ __forceinline__ int64_t vec_offset(int64_t chunk) {
+  return chunk * kChunkBytes + int64_t(threadIdx.x) * kVecBytes;
+}
+
+// Copies this block's chunks of [0, bytes) to dst. The block's chunks are
+// c = blockIdx.x + k * gridDim.x for rounds k = 0, 1, ...; src_of(k) gives the
+// source buffer of round k (nullptr: skip it). kCopyBatch rounds are loaded
+// before any is stored, so each thread keeps several 16-byte loads in flight.
+template <typename T, typename SrcOf>
+__device__ __forceinline__ void copy_block_chunks(char* dst, int64_t bytes, SrcOf src_of) {
+  const int64_t nchunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  const int rounds = int((nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  for (int k = 0; k < rounds; k += kCopyBatch) {
+    Vec<T> v[kCopyBatch];
+    const char* src[kCopyBatch];
+#pragma unroll
+    for (int i = 0; i < kCopyBatch; ++i) {
+      const int64_t off = vec_offset(blockIdx.x + int64_t(k + i) * gridDim.x);
+      src[i] = (k + i < rounds && off < bytes) ? src_of(k + i) : nullptr;
+      if (src[i] != nullptr) v[i] = load_vec<T>(src[i] + off, bytes - off);
+    }
+#pragma unroll
+    for (int i = 0; i < kCopyBatch; ++i) {
+      const int64_t off = vec_offset(blockIdx.x + int64_t(k + i) * gridDim.x);
+      if (src[i] != nullptr) store_vec<T>(dst + off, v[i], bytes - off);
+    }
+  }
+}
+
+// Reduces the vector at byte `off` of every source into out (and into
+// also_to, the two-shot owner's reduced buffer, unless it is out itself).
+template <typename T, int W>
+__device__ __forceinline__ void reduce_at(const KernelArgs& a, int64_t shift, int64_t off,
+                                          char* also_to) {
+  const int64_t valid = a.bytes - off;
+  const char* src[W];
+#pragma unroll
+  for (int q = 0; q < W; ++q) src[q] = a.sources[q] + shift;
+  const Vec<T> r = reduce_vec<T, W>(src, off, valid, a.average);
+  store_vec<T>(a.out + off, r, valid);
+  if (also_to != nullptr && also_to != a.out) store_vec<T>(also_to + off, r, valid);
+}
+
+// ---- kernels ------------------------------------------------------------------
+
+// One-shot: copy in, start barrier, every rank reduces every element from all W
+// buffers. kRegistered reads the peers' inputs directly and ends with a barrier
+// (on start_flags at e + 1: the layout has no third flag array, and a second
+// epoch value keeps the two barriers on one array apart).
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads, 1) one_shot_kernel(const KernelArgs a) {
+  char* const own_region = select_rank<W>(a.regions, a.rank);
+  const bool staged = a.mode == kStaged;
+  const uint32_t e = advance_epoch(own_region, staged ? 1 : 2);
+  const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
+  if (staged) {  // own staging buffer = own source
+    const char* const input = a.input;
+    copy_block_chunks<T>(const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift, a.bytes,
+                         [input](int) { return input; });
+  }
+  barrier<W>(a, own_region, kStartFlagsOffset, e, "start");
+
+  const int64_t nchunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t off = vec_offset(c);
+    if (off < a.bytes) reduce_at<T, W>(a, shift, off, nullptr);
+  }
+  if (!staged) barrier<W>(a, own_region, kStartFlagsOffset, e + 1, "end");
+}
+
+// Two-shot: copy in, start barrier, rank r reduces the chunks it owns from all
+// W sources into its `reduced` buffer (its staging buffer, or in place its
+// registered buffer), mid barrier, then every rank gathers the other owners'
+// chunks. Each rank moves 2(W-1)/W of the payload over the links instead of
+// W-1 times it.
+//
+// Ownership (protocol.h's chunk_owner_rank): chunk c = blockIdx.x + k * nblocks
+// (round k of this block) is reduced by rank k % W.
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs a) {
+  char* const own_region = select_rank<W>(a.regions, a.rank);
+  const bool staged = a.mode == kStaged;
+  const bool in_place = a.mode == kRegisteredInPlace;
+  const uint32_t e = advance_epoch(own_region, in_place ? 2 : 1);
+  const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
+  const int64_t reduced_shift = (e & 1u) ? a.reduced_odd_shift : 0;
+  char* const own_reduced = select_rank<W>(a.reduced, a.rank) + reduced_shift;
+  if (staged) {  // own staging buffer = own source = own reduced buffer
+    const char* const input = a.input;
+    copy_block_chunks<T>(own_reduced, a.bytes, [input](int) { return input; });
+  }
+  barrier<W>(a, own_region, kStartFlagsOffset, e, "start");
+
+  // Reduce-scatter over rounds k = rank, rank + W, ... Only the owner touches
+  // chunk c in this phase (on every rank), so writing the result over its own
+  // source (in place) is safe.
+  const int64_t nchunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
+  for (int64_t c = blockIdx.x + int64_t(a.rank) * gridDim.x; c < nchunks;
+       c += int64_t(W) * gridDim.x) {
+    const int64_t off = vec_offset(c);
+    if (off < a.bytes) reduce_at<T, W>(a, shift, off, own_reduced);
+  }
+  // Peers read our reduced chunks only after this.
+  barrier<W>(a, own_region, kMidFlagsOffset, e, "mid");
+
+  // All-gather from each round's owner (own rounds are already in out).
+  const int rank = a.rank;
+  copy_block_chunks<T>(a.out, a.bytes, [&a, rank, reduced_shift](int k) -> const char* {
+    const int owner = k % W;
+    return owner == rank ? nullptr : select_rank<W>(a.reduced, owner) + reduced_shift;
+  });
+  // In place, peers read our registered buffer until they pass this barrier;
+  // the caller may overwrite it as soon as we return.
+  if (in_place) barrier<W>(a, own_region, kStartFlagsOffset, e + 1, "end");
+}
+
+// ---- launch ---------------------------------------------------------------------
+
+inline KernelArgs make_kernel_args(const Call& call) {
+  KernelArgs a{};
+  const int64_t even = device_staging_offset(0, call.max_bytes);
+  const int64_t odd_shift = device_staging_offset(1, call.max_bytes) - even;
+  const bool staged = call.mode == kStaged;
+  for (int q = 0; q < kMaxRanks; ++q) {
+    a.regions[q] = call.regions[q];
+    char* staging = call.regions[q] == nullptr ? nullptr : call.regions[q] + even;
+    a.sources[q] = staged ? staging : call.registered[q];
+    a.reduced[q] = call.mode == kRegisteredInPlace ? call.registered[q] : staging;
+  }
+  a.sources_odd_shift = staged ? odd_shift : 0;
+  a.reduced_odd_shift = call.mode == kRegisteredInPlace ? 0 : odd_shift;
+  a.input = call.input;
+  a.out = call.out;
+  a.bytes = call.bytes;
+  a.timeout_ns = call.timeout_ns;
+  a.rank = call.rank;
+  a.mode = call.mode;
+  a.average = call.average;
+  return a;
+}
+
+// ---- launch ---------------------------------------------------------------------
+
+template <typename T, int W>
+inline void launch_for_world(int64_t algo, const KernelArgs& a, int nblocks, cudaStream_t stream) {
+  // In-place zero-copy exists only in the two-shot structure: one-shot would
+  // overwrite its input while peers still read it.
+  if (algo == kOneShot && a.mode != kRegisteredInPlace) {
+    one_shot_kernel<T, W><<<nblocks, kThreads, 0, stream>>>(a);
+  } else {
+    two_shot_kernel<T, W><<<nblocks, kThreads, 0, stream>>>(a);
+  }
+}
+
+// The one dispatch switch; returns false for a world size outside 1..kMaxRanks.
+template <typename T>
+inline bool launch_all_reduce(int world_size, int64_t algo, const Call& call, int nblocks,
+                              cudaStream_t stream) {
+  const KernelArgs a = make_kernel_args(call);
+  static_assert(kMaxRanks == 8, "extend the switch below");
+  switch (world_size) {
+    case 1: launch_for_world<T, 1>(algo, a, nblocks, stream); return true;
+    case 2: launch_for_world<T, 2>(algo, a, nblocks, stream); return true;
+    case 3: launch_for_world<T, 3>(algo, a, nblocks, stream); return true;
+    case 4: launch_for_world<T, 4>(algo, a, nblocks, stream); return true;
+    case 5: launch_for_world<T, 5>(algo, a, nblocks, stream); return true;
+    case 6: launch_for_world<T, 6>(algo, a, nblocks, stream); return true;
+    case 7: launch_for_world<T, 7>(algo, a, nblocks, stream); return true;
+    case 8: launch_for_world<T, 8>(algo, a, nblocks, stream); return true;
+    default: return false;
+  }
+}
+
+}  // namespace cuda
+}  // namespace pyallreduce

@@ -1,0 +1,36 @@
+// CUDA IPC helpers for the CUDA transport (pyallreduce/transport/cuda_ipc.py
+// decides what to allocate, export and map; this only wraps the CUDA calls and
+// turns every CUDA error into a Python exception), and the table of zero-copy
+// buffers registered per communicator (kept in csrc/cuda/all_reduce.cu, where
+// the launcher looks inputs up).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pybind11 {
+class module_;
+}
+
+namespace pyallreduce {
+
+// Adds the cuda_* functions to pyallreduce._C (see ipc.cu for the list).
+void bind_cuda_ipc(pybind11::module_& m);
+
+// Zero-copy registrations of the communicator `handle` (create_context).
+// local_ptr..local_ptr+nbytes is this rank's buffer; peer_ptrs[q] is rank q's
+// corresponding buffer as mapped in this process (peer_ptrs[rank] == local_ptr).
+// A collective whose input lies inside a registered buffer (at a 16-byte
+// aligned offset) reads every rank's buffer at the same offset in place, so
+// every rank must pass its corresponding buffer: register on all ranks, call
+// with the matching tensors on all ranks.
+void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
+                          const std::vector<int64_t>& peer_ptrs);
+// Returns false if local_ptr was not registered.
+bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr);
+// Drops every registration of the communicator (call before destroy_context).
+void clear_cuda_buffers(int64_t handle);
+// Whether an input at ptr of nbytes would be read in place (zero-copy).
+bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes);
+
+}  // namespace pyallreduce

@@ -1,0 +1,184 @@
+// pyallreduce._C: every op schema, the context registry and the Python-visible
+// constants. Backends add their kernels with PYALLREDUCE_REGISTER_BACKEND in
+// their own files (csrc/cpu, csrc/cuda).
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <map>
+
+#include "common/context.h"
+#include "common/op_args.h"
+#include "common/protocol.h"
+#include "cpu/shm.h"
+#ifdef PYALLREDUCE_WITH_CUDA
+#include "cuda/ipc.h"
+#endif
+
+namespace pyallreduce {
+
+// ---- context registry -------------------------------------------------------
+
+namespace {
+std::mutex registry_mutex;
+std::map<int64_t, std::shared_ptr<Context>> registry;
+int64_t next_handle = 1;
+}  // namespace
+
+int64_t register_context(std::unique_ptr<Context> ctx) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  int64_t handle = next_handle++;
+  registry.emplace(handle, std::move(ctx));
+  return handle;
+}
+
+void destroy_context(int64_t handle) {
+  std::shared_ptr<Context> ctx;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(handle);
+    if (it == registry.end()) return;
+    ctx = it->second;
+    registry.erase(it);
+  }
+  // Wait for a collective still running in another thread before the caller unmaps.
+  std::lock_guard<std::mutex> wait(ctx->in_flight);
+  ctx->closed = true;
+}
+
+std::shared_ptr<Context> get_context(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(handle);
+  TORCH_CHECK(it != registry.end(), "pyallreduce: communicator handle ", handle,
+              " is closed or was never created; create a new Communicator");
+  return it->second;
+}
+
+CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
+  TORCH_CHECK(ctx.in_flight.try_lock(),
+              "pyallreduce: another thread is inside a collective on this communicator; "
+              "a communicator runs one collective at a time (use one per thread)");
+  if (ctx.closed) {
+    ctx.in_flight.unlock();
+    TORCH_CHECK(false, "pyallreduce: this communicator is closed; create a new Communicator");
+  }
+  if (ctx.broken.load()) {
+    ctx.in_flight.unlock();
+    TORCH_CHECK(false, "pyallreduce: this communicator is unusable after an earlier failure (",
+                ctx.broken_reason, "); close() it and create a new Communicator on every rank");
+  }
+}
+
+CollectiveGuard::~CollectiveGuard() { ctx_.in_flight.unlock(); }
+
+void CollectiveGuard::fail(const std::string& reason) {
+  ctx_.broken_reason = reason;
+  ctx_.broken.store(true);
+}
+
+// ---- argument checks --------------------------------------------------------
+
+void check_collective_args(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
+                           int64_t algo) {
+  TORCH_CHECK(algo == kOneShot || algo == kTwoShot, "pyallreduce: unknown algorithm id ", algo);
+  auto dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "pyallreduce: dtype ", dtype, " is not supported (float32, float16, bfloat16)");
+  TORCH_CHECK(input.is_contiguous() && out.is_contiguous(),
+              "pyallreduce: the op needs contiguous tensors (Communicator.all_reduce handles others)");
+  TORCH_CHECK(out.scalar_type() == dtype && out.numel() == input.numel(),
+              "pyallreduce: out must have the input's dtype and numel");
+  TORCH_CHECK(input.device() == out.device(), "pyallreduce: input and out on different devices");
+  TORCH_CHECK(input.is_cuda() == ctx.is_cuda && (!ctx.is_cuda || input.get_device() == ctx.device),
+              "pyallreduce: tensor on ", input.device(), " but the communicator's memory is on ",
+              ctx.is_cuda ? "cuda:" + std::to_string(ctx.device) : std::string("cpu"));
+  TORCH_CHECK(input.nbytes() <= static_cast<size_t>(ctx.max_bytes), "pyallreduce: ",
+              input.nbytes(), " bytes exceed the staging buffer (max_bytes=", ctx.max_bytes,
+              "); Communicator.all_reduce chunks large tensors");
+}
+
+void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
+                    int64_t algo, bool average) {
+  std::shared_ptr<Context> held = get_context(handle);  // outlives a concurrent close()
+  Context& ctx = *held;
+  CollectiveGuard guard(ctx);
+  check_collective_args(ctx, input, out, algo);
+  try {
+    impl(ctx, input, out, algo, average);
+  } catch (const std::exception& e) {
+    // Failures past the checks happen mid-protocol: epochs are now out of step.
+    guard.fail(e.what());
+    throw;
+  }
+}
+
+}  // namespace pyallreduce
+
+// ---- schemas ------------------------------------------------------------------
+
+TORCH_LIBRARY(pyallreduce, m) {
+  // handle: a Context from create_context; algo: 0 one-shot, 1 two-shot;
+  // average: divide the fp32 sum by the world size before the final cast.
+  m.def("all_reduce(Tensor input, int handle, int algo, bool average) -> Tensor");
+  m.def("all_reduce_out(Tensor input, Tensor(a!) out, int handle, int algo, bool average) -> ()");
+  m.def("all_reduce_(Tensor(a!) tensor, int handle, int algo, bool average) -> ()");
+}
+
+// ---- Python module ----------------------------------------------------------
+
+namespace {
+
+int64_t create_context(const std::vector<int64_t>& regions, int64_t rank, int64_t max_bytes,
+                       int64_t nblocks, double timeout_s, int64_t device,
+                       const std::vector<int64_t>& pids) {
+  using namespace pyallreduce;
+  const int64_t world = static_cast<int64_t>(regions.size());
+  TORCH_CHECK(world >= 1 && world <= kMaxRanks, "pyallreduce: world size ", world,
+              " outside 1..", kMaxRanks);
+  TORCH_CHECK(rank >= 0 && rank < world, "pyallreduce: rank ", rank, " outside the group");
+  TORCH_CHECK(max_bytes > 0 && max_bytes % kAlignment == 0, "pyallreduce: max_bytes must be a ",
+              "positive multiple of ", kAlignment);
+  TORCH_CHECK(nblocks >= 1 && nblocks <= kMaxBlocks, "pyallreduce: nblocks outside 1..",
+              kMaxBlocks);
+  TORCH_CHECK(timeout_s > 0, "pyallreduce: timeout must be positive");
+  auto ctx = std::make_unique<Context>();
+  ctx->rank = static_cast<int>(rank);
+  ctx->world_size = static_cast<int>(world);
+  ctx->max_bytes = max_bytes;
+  ctx->nblocks = static_cast<int>(nblocks);
+  ctx->timeout_ns = static_cast<int64_t>(timeout_s * 1e9);
+  ctx->is_cuda = device >= 0;
+  ctx->device = static_cast<int>(device);
+  for (int64_t q = 0; q < world; ++q) ctx->regions[q] = reinterpret_cast<char*>(regions[q]);
+  ctx->pids = pids;
+  return register_context(std::move(ctx));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  using namespace pyallreduce;
+  m.doc() = "pyallreduce kernels, op schemas and protocol constants";
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_BLOCKS") = kMaxBlocks;
+  m.attr("ALIGNMENT") = kAlignment;
+  m.attr("START_FLAGS_OFFSET") = kStartFlagsOffset;
+  m.attr("MID_FLAGS_OFFSET") = kMidFlagsOffset;
+  m.attr("EPOCH_OFFSET") = kEpochOffset;
+  m.attr("DATA_OFFSET") = kDataOffset;
+  m.attr("ONE_SHOT") = kOneShot;
+  m.attr("TWO_SHOT") = kTwoShot;
+#ifdef PYALLREDUCE_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.def("region_bytes", &region_bytes, "bytes of one rank's region for a given max_bytes");
+  m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
+        py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
+        py::arg("pids"));
+  m.def("destroy_context", &destroy_context, py::arg("handle"));
+  bind_shm(m);
+#ifdef PYALLREDUCE_WITH_CUDA
+  bind_cuda_ipc(m);
+#endif
+}

@@ -1,0 +1,13 @@
+"""pyallreduce: single-node all-reduce over peer memory (CUDA IPC or POSIX shm).
+
+    comm = pyallreduce.Communicator()          # after dist.init_process_group
+    y = comm.all_reduce(x)                      # out-of-place, op="sum" | "avg"
+    comm.all_reduce_(x)                         # in place
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers the torch.ops.pyallreduce schemas and kernels)
+from .communicator import DEFAULT_TIMEOUT, Communicator
+
+__version__ = "0.1.0"
+__all__ = ["Communicator", "DEFAULT_TIMEOUT"]

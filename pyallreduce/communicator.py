@@ -1,0 +1,351 @@
+"""Communicator: the one place that decides backend, algorithm, chunking and
+fallback for the collectives of one process group on one node."""
+import atexit
+import datetime
+import logging
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import _C, ops, policy  # noqa: F401  (ops: fake impls for torch.compile)
+from .transport import HostShmTransport
+
+logger = logging.getLogger("pyallreduce")
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch.distributed's default too
+DEFAULT_MAX_BYTES = 32 << 20
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = ("auto", "cuda", "triton", "cpu")
+ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
+# Programs per rank for the Triton kernels on CPU, where the interpreter runs
+# them one after another: few keeps the per-call cost down.
+TRITON_CPU_NBLOCKS = 2
+CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
+HOSTNAME_ENV = "PYALLREDUCE_HOSTNAME"  # overrides the host identity (tests simulate several hosts)
+DEBUG_ENV = "PYALLREDUCE_DEBUG"
+
+# The overloads themselves: calling them skips torch.ops' overload resolution.
+_all_reduce_out = torch.ops.pyallreduce.all_reduce_out.default
+_all_reduce_inplace = torch.ops.pyallreduce.all_reduce_.default
+
+_logged = set()
+
+
+def log_once(message):
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("pyallreduce: %s", message)
+
+
+def host_id():
+    return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
+
+
+_AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
+
+
+def parse_op(op):
+    """'sum' | 'avg' | dist.ReduceOp.SUM | dist.ReduceOp.AVG -> average?"""
+    try:
+        return _AVERAGE[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"pyallreduce: op must be 'sum' or 'avg', got {op!r}") from None
+
+
+def _timeout_seconds(timeout):
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"pyallreduce: timeout must be positive, got {timeout!r}")
+    return seconds
+
+
+class Communicator:
+    """All-reduce among the ranks of `group` (default: the world group) that
+    share one host, by reading each other's memory directly.
+
+    device: the tensors' device; None means the current CUDA device when CUDA
+        is available, else CPU.
+    max_bytes: size of each of the two staging buffers; larger tensors are
+        reduced in chunks of this size.
+    backend: "auto" (cuda on GPU, cpu on CPU), "cuda", "triton" or "cpu".
+    timeout: deadline of every wait (seconds or timedelta); past it the call
+        raises naming the ranks that never arrived, and the communicator is
+        unusable afterwards.
+    nblocks: blocks (programs) per rank for the GPU and Triton kernels.
+    debug: compare each call's fingerprint across ranks before moving data
+        (slow; also enabled by PYALLREDUCE_DEBUG=1).
+
+    Construction is collective: every rank of the group must create it. Groups
+    the backend cannot serve (more than MAX_RANKS ranks, several hosts, no
+    full peer-to-peer mesh) fall back to torch.distributed.all_reduce with one
+    logged reason, as do dtypes other than float32/float16/bfloat16.
+    """
+
+    def __init__(self, group=None, *, device=None, max_bytes=DEFAULT_MAX_BYTES, backend="auto",
+                 timeout=DEFAULT_TIMEOUT, nblocks=None, debug=None):
+        if not dist.is_initialized():
+            raise RuntimeError("pyallreduce: torch.distributed is not initialised; call "
+                               "dist.init_process_group(...) before creating a Communicator")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = self._resolve_device(device)
+        self.backend = self._resolve_backend(backend)
+        if int(max_bytes) <= 0:
+            raise ValueError(f"pyallreduce: max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = -(-int(max_bytes) // _C.ALIGNMENT) * _C.ALIGNMENT
+        self.timeout_s = _timeout_seconds(timeout)
+        self.debug = bool(int(os.environ.get(DEBUG_ENV, "0"))) if debug is None else bool(debug)
+        self.nblocks = self._resolve_nblocks(nblocks)
+        self.crossover = policy.lookup(policy.device_kind(self.device), self.world_size)
+        self._calls = 0
+        self._transport = None
+        self._handle = None
+        self._closed = False
+        self.fallback_reason = self._unsupported_group_reason()
+        if self.fallback_reason is None:
+            self._transport = self._make_transport()
+            if self.backend != "triton":
+                self._handle = _C.create_context(
+                    self._transport.regions, self.rank, self.max_bytes, self.nblocks, self.timeout_s,
+                    self.device.index if self.device.type == "cuda" else -1, self._transport.pids)
+        else:
+            log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
+        _live.add(self)
+
+    # ---- construction helpers --------------------------------------------
+
+    def _resolve_device(self, device):
+        if device is None:
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"pyallreduce: device must be cpu or cuda, got {device}")
+        return device
+
+    def _resolve_backend(self, backend):
+        if backend not in BACKENDS:
+            raise ValueError(f"pyallreduce: backend must be one of {BACKENDS}, got {backend!r}")
+        on_gpu = self.device.type == "cuda"
+        if backend == "auto":
+            backend = "cuda" if on_gpu else "cpu"
+        if backend == "cpu" and on_gpu:
+            raise ValueError("pyallreduce: backend='cpu' needs device='cpu'; use backend='cuda' or 'triton' for GPUs")
+        if backend == "cuda":
+            if not on_gpu:
+                raise ValueError("pyallreduce: backend='cuda' needs a CUDA device; use backend='cpu' for CPU tensors")
+            if not _C.WITH_CUDA:
+                raise RuntimeError("pyallreduce: this build has no CUDA kernels (built without a CUDA toolkit "
+                                   "or with PYALLREDUCE_SKIP_CUDA=1); reinstall with a CUDA toolkit")
+        if backend == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("pyallreduce: backend='triton' on CPU tensors runs the Triton interpreter; "
+                               "set TRITON_INTERPRET=1 before triton is first imported")
+        return backend
+
+    def _resolve_nblocks(self, nblocks):
+        if self.backend == "cpu":
+            return 1  # the host kernel runs one block per rank
+        if nblocks is None:
+            nblocks = CUDA_NBLOCKS if self.device.type == "cuda" else TRITON_CPU_NBLOCKS
+        if not 1 <= int(nblocks) <= _C.MAX_BLOCKS:
+            raise ValueError(f"pyallreduce: nblocks must be in 1..{_C.MAX_BLOCKS}, got {nblocks}")
+        return int(nblocks)
+
+    def _unsupported_group_reason(self):
+        """Collective: every rank reaches the same answer."""
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, host_id(), group=self.group)
+        if len(set(hosts)) > 1:
+            return f"the group spans {len(set(hosts))} hosts"
+        if self.world_size > _C.MAX_RANKS:
+            return f"world size {self.world_size} exceeds {_C.MAX_RANKS}"
+        if self.device.type == "cuda":
+            from .transport.cuda_ipc import check_topology
+
+            ok, reason = check_topology(self.group, self.device)
+            if not ok:
+                return reason
+        return None
+
+    def _make_transport(self):
+        if self.device.type == "cuda":
+            from .transport.cuda_ipc import CudaIpcTransport
+
+            return CudaIpcTransport(self.group, self.max_bytes, self.device)
+        return HostShmTransport(self.group, self.max_bytes)
+
+    # ---- public API --------------------------------------------------------
+
+    def all_reduce(self, tensor, op="sum", algo="auto", out=None):
+        """Returns the reduction of `tensor` across ranks (out-of-place); writes
+        into `out` (same shape, dtype, device) when given. The result does not
+        require grad: collectives are not differentiated."""
+        average = parse_op(op)
+        self._check_tensor(tensor, "tensor")
+        if out is None:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check_out(tensor, out)
+        self._reduce(_data(tensor), _data(out), average, algo)
+        return out
+
+    def all_reduce_(self, tensor, op="sum", algo="auto"):
+        """Reduces `tensor` in place across ranks and returns it (its data is
+        changed outside autograd, as torch.distributed.all_reduce does)."""
+        average = parse_op(op)
+        self._check_tensor(tensor, "tensor")
+        data = _data(tensor)
+        self._reduce(data, data, average, algo)
+        return tensor
+
+    def close(self):
+        """Releases the mapped memory. Safe to call twice; not collective."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        if self._handle is not None:
+            _C.destroy_context(self._handle)
+            self._handle = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        how = f"fallback ({self.fallback_reason})" if self.fallback_reason else f"backend={self.backend}"
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how}, "
+                f"max_bytes={self.max_bytes})")
+
+    # ---- the decisions -----------------------------------------------------
+
+    def _check_tensor(self, tensor, name):
+        if self._closed:
+            raise RuntimeError("pyallreduce: this communicator is closed; create a new Communicator")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"pyallreduce: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device != self.device:
+            raise ValueError(f"pyallreduce: {name} is on {tensor.device} but this communicator serves "
+                             f"{self.device}; move the tensor or create a Communicator(device=...)")
+
+    def _check_out(self, tensor, out):
+        self._check_tensor(out, "out")
+        if out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise ValueError(f"pyallreduce: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                             f"expected {tuple(tensor.shape)} and {tensor.dtype} like the input")
+
+    def _algo_id(self, algo, nbytes):
+        if algo == "auto":
+            algo = self.crossover.algo_for(nbytes)
+        try:
+            return ALGOS[algo]
+        except KeyError:
+            raise ValueError(f"pyallreduce: algo must be 'auto', 'one_shot' or 'two_shot', got {algo!r}") from None
+
+    def _reference_reason(self, tensor):
+        if self.fallback_reason is not None:
+            return self.fallback_reason
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {tensor.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
+        if self.crossover.prefers_reference(tensor.nbytes):
+            return f"messages of {self.crossover.reference_min_bytes} bytes and more are faster with the reference"
+        return None
+
+    def _reduce(self, src, dst, average, algo):
+        """dst = reduce(src) across ranks; dst may be src."""
+        nbytes = src.nbytes
+        if (self._handle is not None and src.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes
+                and src.is_contiguous() and dst.is_contiguous() and not self.debug
+                and not self.crossover.prefers_reference(nbytes)):
+            # The common case, kept short: one call, no views.
+            return self._run(src, dst, self._algo_id(algo, nbytes), average)
+        self._algo_id(algo, 0)  # reject an unknown name even where the fallback runs
+        reason = self._reference_reason(src)
+        if reason is not None:
+            log_once(f"torch.distributed.all_reduce used: {reason}")
+            return self._reference_all_reduce(src, dst, average)
+        if src.numel() == 0:
+            return
+        if self.debug:
+            self._check_fingerprint(src, average, algo)
+        contiguous_dst = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        flat_src = src.contiguous().view(-1)
+        flat_dst = contiguous_dst.view(-1)
+        per_call = self.max_bytes // src.element_size()
+        for start in range(0, flat_src.numel(), per_call):
+            s = flat_src[start:start + per_call]
+            d = flat_dst[start:start + per_call]
+            self._run(s, d, self._algo_id(algo, s.nbytes), average)
+        if contiguous_dst is not dst:
+            dst.copy_(contiguous_dst)
+
+    def _run(self, src, dst, algo_id, average):
+        self._calls += 1
+        if self.backend == "triton":
+            from . import triton_kernels
+
+            t = self._transport
+            return triton_kernels.all_reduce(src, dst, t.regions, self.rank, self.world_size, self.max_bytes,
+                                             self.nblocks, algo_id, average, self.timeout_s)
+        if src is dst:
+            _all_reduce_inplace(dst, self._handle, algo_id, average)
+        else:
+            _all_reduce_out(src, dst, self._handle, algo_id, average)
+
+    def _reference_all_reduce(self, src, dst, average):
+        if average and not (src.is_floating_point() or src.is_complex()):
+            raise ValueError(f"pyallreduce: op='avg' is not defined for {src.dtype}; use op='sum'")
+        if dst.data_ptr() != src.data_ptr() or not dst.is_contiguous():
+            work = src.contiguous().clone()
+        else:
+            work = dst
+        dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self.group)
+        if average:
+            work.div_(self.world_size)
+        if work is not dst:
+            dst.copy_(work)
+
+    def _check_fingerprint(self, src, average, algo):
+        mine = (self._calls, "avg" if average else "sum", str(src.dtype), src.numel(), algo)
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        if any(f != mine for f in every):
+            rows = "\n".join(f"  rank {q}: (call, op, dtype, numel, algo) = {f}" for q, f in enumerate(every))
+            raise RuntimeError(f"pyallreduce: the ranks disagree about this collective:\n{rows}")
+
+
+def _data(tensor):
+    """The tensor itself, or a view of its data outside autograd if it requires grad."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+# Communicators still open at interpreter exit are closed (unmapped) there.
+_live = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    for comm in list(_live):
+        comm.close()

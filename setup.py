@@ -1,0 +1,106 @@
+"""Builds pyallreduce._C with torch.utils.cpp_extension.
+
+CUDA sources are compiled whenever torch is a CUDA build and a CUDA toolkit is
+found; nothing here asks whether a GPU is present. Switches (environment):
+
+  PYALLREDUCE_SKIP_CUDA=1            build the CPU backend only
+  PYALLREDUCE_CUDA_ARCH_LIST="9.0"   GPU archs (default below; "+PTX" adds PTX)
+  CUDA_HOME=/path                    the toolkit (the folder with bin/nvcc)
+  NVCC_THREADS=N                     nvcc --threads (default 2)
+  MAX_JOBS=N                         parallel compile jobs (ninja)
+"""
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+# Hopper (H100/H200) is the target; Ampere runs the same kernels; PTX for the
+# newest arch lets later GPUs JIT it.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def is_cuda_home(path):
+    p = Path(path)
+    return all((p / f).exists() for f in ("bin/nvcc", "include/cuda_runtime.h", "lib64/libcudart.so"))
+
+
+def find_cuda_home():
+    """The toolkit folder itself, also when the `nvcc` on PATH is a wrapper script."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(nvcc).resolve()
+        candidates.append(real.parent.parent)
+        try:  # a wrapper script names the real nvcc inside it
+            text = real.read_text(errors="ignore")[:4096]
+            candidates += [Path(m) for m in re.findall(r"(/\S+?)/bin/nvcc", text)]
+        except OSError:
+            pass
+    candidates += ["/usr/local/cuda"]
+    for c in candidates:
+        if c and is_cuda_home(c):
+            return str(Path(c).resolve())
+    return None
+
+
+def want_cuda():
+    if os.environ.get("PYALLREDUCE_SKIP_CUDA", "0") == "1":
+        return False, "PYALLREDUCE_SKIP_CUDA=1"
+    import torch
+
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    home = find_cuda_home()
+    if home is None:
+        return False, "no CUDA toolkit found (set CUDA_HOME to the folder holding bin/nvcc)"
+    # torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
+    os.environ["CUDA_HOME"] = home
+    return True, f"CUDA toolkit {home}, torch CUDA {torch.version.cuda}"
+
+
+def extensions():
+    with_cuda, why = want_cuda()
+    print(f"pyallreduce: {'building' if with_cuda else 'skipping'} CUDA kernels: {why}", file=sys.stderr)
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fvisibility=hidden"]
+    sources = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp"]
+    if not with_cuda:
+        return [CppExtension("pyallreduce._C", sources, extra_compile_args={"cxx": cxx}, libraries=["rt"])]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("PYALLREDUCE_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    nvcc = [
+        "-O3",
+        "-std=c++20",
+        "--threads", os.environ.get("NVCC_THREADS", "2"),
+        # The report CI checks (tests/test_cuda_build.py): registers, spills.
+        "-Xptxas=-v",
+        "-fmad=false",  # sums only; keep the bits identical to the CPU and Triton kernels
+    ]
+    return [
+        CUDAExtension(
+            "pyallreduce._C",
+            sources + ["csrc/cuda/all_reduce.cu", "csrc/cuda/ipc.cu"],
+            define_macros=[("PYALLREDUCE_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx + ["-DPYALLREDUCE_WITH_CUDA"], "nvcc": nvcc},
+            libraries=["rt"],
+        )
+    ]
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    packages=["pyallreduce", "pyallreduce.triton_kernels"],
+    package_dir={"pyallreduce": "pyallreduce", "pyallreduce.triton_kernels": "triton_kernels"},
+    package_data={"pyallreduce": ["crossovers.json"]},
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+)

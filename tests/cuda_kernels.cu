@@ -1,0 +1,13 @@
+// Instantiates every kernel of csrc/cuda/all_reduce.cuh (3 dtypes x world
+// sizes 1..8 x one-shot/two-shot) through the same launch_all_reduce() that
+// csrc/cuda/all_reduce.cu calls, without torch, so tests/test_cuda_build.py
+// can check ptxas's report and the PTX quickly on a machine without a GPU.
+#include "cuda/all_reduce.cuh"
+
+namespace pyallreduce {
+namespace cuda {
+template bool launch_all_reduce<float>(int, int64_t, const Call&, int, cudaStream_t);
+template bool launch_all_reduce<__half>(int, int64_t, const Call&, int, cudaStream_t);
+template bool launch_all_reduce<__nv_bfloat16>(int, int64_t, const Call&, int, cudaStream_t);
+}  // namespace cuda
+}  // namespace pyallreduce

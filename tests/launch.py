@@ -1,0 +1,107 @@
+"""The multi-process launcher every test uses.
+
+run_ranks(fn, world_size, *args) runs the module-level function
+fn(rank, world_size, *args) in `world_size` spawned processes, each with a gloo
+process group already initialised. It returns the list of fn's return values
+(picklable), in rank order. If any rank raises, exits, or the whole run passes
+`timeout` seconds, every child is killed and the test fails with each failing
+rank's traceback. It never hangs.
+"""
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+DEFAULT_TIMEOUT = 120.0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, env, results, args):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_exit=None):
+    """Runs fn on every rank; see the module docstring.
+
+    env: extra environment variables for the children (set before fn runs).
+    expect_exit: {rank: exitcode} for ranks a test kills on purpose; those
+    ranks report no result and their exit code must match.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = dict(env or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    expect_exit = dict(expect_exit or {})
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, env, results, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size - len(expect_exit):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes) - set(expect_exit))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 0.5))
+                outcomes[rank] = (status, value)
+                if status == "error":
+                    break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in outcomes and r not in expect_exit and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # its report may still be in flight
+                    while not results.empty():
+                        rank, status, value = results.get()
+                        outcomes[rank] = (status, value)
+                    dead = [r for r in dead if r not in outcomes]
+                    if dead:
+                        raise RankFailure(f"ranks {dead} exited with codes "
+                                          f"{[procs[r].exitcode for r in dead]} without reporting")
+        errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+        if errors:
+            raise RankFailure("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        for r, p in enumerate(procs):
+            want = expect_exit.get(r, 0)
+            if p.exitcode != want:
+                raise RankFailure(f"rank {r} exited with code {p.exitcode}, expected {want}")
+        return [outcomes[r][1] if r in outcomes else None for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        results.join_thread()

@@ -1,0 +1,35 @@
+"""Inputs and the reference every correctness test compares against."""
+import torch
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def exact_input(numel, rank, dtype, salt=0):
+    """Integer-valued and small (|x| <= 32), so any sum over <= 8 ranks is exact in every dtype."""
+    i = torch.arange(numel, dtype=torch.int64)
+    return ((i * 7 + salt * 13 + rank * 5) % 9 - 4).to(dtype)
+
+
+def exact_sum(numel, world_size, dtype, salt=0):
+    return sum(exact_input(numel, q, torch.float64, salt) for q in range(world_size)).to(dtype)
+
+
+def fp32_reduction(inputs, average):
+    """The product's definition: fp32 sum in rank order, / W, one cast."""
+    acc = inputs[0].float()
+    for x in inputs[1:]:
+        acc = acc + x.float()
+    if average:
+        acc = acc / len(inputs)
+    return acc.to(inputs[0].dtype)
+
+
+def random_input(numel, rank, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def tolerance(dtype, world_size):
+    """Against an fp64 reference: one final rounding plus the fp32 sums."""
+    eps = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+    return dict(rtol=2 * eps, atol=2 * eps * world_size)

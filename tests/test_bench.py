@@ -1,0 +1,161 @@
+"""bench/compare_nccl.py on CPU: a short real run (2 spawned ranks, a few small
+sizes) must pass its own correctness round, write the documented JSON and a
+crossover table the policy reads; a wrong result must fail the run."""
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyallreduce import policy
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "compare_nccl.py"
+TIMEOUT_S = 120  # a loaded 2-core CI box; the run itself takes ~20 s
+SIZES = [4 << 10, 32 << 10, 256 << 10]
+STATS = {"time_us", "p10_us", "p90_us", "algbw", "busbw"}
+ROW = {"backend", "size", "count", "type", "redop", "algo", "out_of_place", "in_place", "reference",
+       "speedup", "wrong", "deepspeed"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("compare_nccl", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def clean_env():
+    """The script spawns its own ranks only when not under torchrun."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run(cmd, env):
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
+
+
+def test_cpu_run_json_and_crossovers(tmp_path):
+    table = tmp_path / "crossovers.json"
+    shutil.copy(policy.CROSSOVERS_FILE, table)
+    real_table = policy.CROSSOVERS_FILE.read_bytes()
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--nproc", "2", "--sizes", "4K:256K", "--factor", "8",
+           "--dtypes", "float32,bfloat16", "--ops", "sum,avg", "--iters", "3", "--warmup", "1",
+           "--json", str(out), "--write-crossovers", "--crossovers-file", str(table)]
+    proc = run(cmd, clean_env())
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "#wrong" in proc.stdout and "memcpy" in proc.stdout
+
+    report = json.loads(out.read_text())
+    machine = report["machine"]
+    assert machine["world_size"] == 2 and machine["device_kind"] == "cpu"
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["torch"] and machine["date"]
+    assert report["memcpy"]["bytes"] == max(SIZES) and report["memcpy"]["gbps"] > 0
+
+    rows = report["rows"]
+    combos = {(r["size"], r["type"], r["redop"], r["algo"]) for r in rows}
+    assert len(rows) == len(combos) == len(SIZES) * 2 * 2 * 3
+    assert {r["size"] for r in rows} == set(SIZES)
+    for r in rows:
+        assert set(r) == ROW, r
+        assert r["wrong"] == 0 and r["reference"]["wrong"] == 0, r
+        assert r["count"] * DTYPE_BYTES[r["type"]] == r["size"]
+        for part in ("out_of_place", "in_place", "reference"):
+            stats = r[part]
+            assert STATS <= set(stats), (part, stats)
+            assert 0 < stats["p10_us"] <= stats["time_us"] <= stats["p90_us"], (part, stats)
+            assert stats["busbw"] == pytest.approx(stats["algbw"])  # 2(W-1)/W == 1 for W = 2
+        assert r["speedup"] == pytest.approx(r["reference"]["time_us"] / r["in_place"]["time_us"])
+
+    written = json.loads(table.read_text())
+    original = json.loads(real_table)
+    assert policy.CROSSOVERS_FILE.read_bytes() == real_table, "the real table must not be touched"
+    others = {k: v for k, v in original.items() if k != "cpu"}
+    assert {k: v for k, v in written.items() if k != "cpu"} == others  # other kinds kept
+    assert {k: v for k, v in written["cpu"].items() if k != "2"} == {k: v for k, v in original["cpu"].items()
+                                                                      if k != "2"}
+    crossover = policy.lookup("cpu", 2, path=table)
+    assert crossover.measured
+    assert crossover.two_shot_min_bytes in SIZES + [load_bench().NEVER]
+    assert crossover.reference_min_bytes is None or crossover.reference_min_bytes in SIZES
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+WRONG_EXPECTATION = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("compare_nccl", {bench!r})
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+exact = bench.expected_output
+
+def off_by_one(*args):
+    want = exact(*args)
+    want[0] += 1  # one element that no correct all-reduce produces
+    return want
+
+bench.expected_output = off_by_one
+sys.exit(bench.run(bench.parse_args()))
+"""
+
+
+def test_wrong_result_fails_the_run(tmp_path):
+    """Rank processes started by hand (as torchrun would) with an expectation
+    one element off: the run must report it and exit non-zero."""
+    script = tmp_path / "wrong.py"
+    script.write_text(WRONG_EXPECTATION.format(bench=str(BENCH)))
+    table = tmp_path / "crossovers.json"
+    shutil.copy(policy.CROSSOVERS_FILE, table)
+    before = table.read_bytes()
+    port = str(free_port())
+    cmd = [sys.executable, str(script), "--device", "cpu", "--sizes", "4K", "--algos", "one_shot,two_shot",
+           "--iters", "2", "--warmup", "1", "--write-crossovers", "--crossovers-file", str(table)]
+    procs = [subprocess.Popen(cmd, env=dict(clean_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    stdout, stderr = outputs[0]
+    assert "FAILED" in stdout and "wrong elements" in stderr, outputs[0]
+    assert table.read_bytes() == before, "a failed run must not write crossovers"
+
+
+def row(size, algo, ours, ref):
+    stats = {"time_us": ours}
+    return {"backend": "cpu", "size": size, "algo": algo, "in_place": stats, "reference": {"time_us": ref}}
+
+
+def test_crossover_is_the_start_of_the_winning_tail():
+    bench = load_bench()
+    # two-shot wins at 2K (a blip), loses at 4K, wins from 8K on; the
+    # reference wins only at the largest size.
+    one = {1024: 10, 2048: 20, 4096: 30, 8192: 50, 16384: 90}
+    two = {1024: 12, 2048: 15, 4096: 35, 8192: 40, 16384: 60}
+    ref = {1024: 100, 2048: 100, 4096: 100, 8192: 100, 16384: 55}
+    rows = [row(s, "one_shot", one[s], ref[s]) for s in one] + [row(s, "two_shot", two[s], ref[s]) for s in two]
+    got = bench.derive_crossover(rows, "cpu")
+    assert got == {"two_shot_min_bytes": 8192, "reference_min_bytes": 16384, "measured": True}
+
+    never = [row(s, "one_shot", 1, 100) for s in one] + [row(s, "two_shot", 2, 100) for s in one]
+    got = bench.derive_crossover(never, "cpu")
+    assert got["two_shot_min_bytes"] == bench.NEVER and got["reference_min_bytes"] is None

@@ -1,0 +1,174 @@
+"""Failing loudly: bad input, deadlines naming the missing rank, dead ranks,
+concurrent threads, mismatch detection, segment isolation."""
+import os
+import signal
+import stat
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch import run_ranks
+from reference import exact_input, exact_sum
+
+
+def make_comm(**kw):
+    import pyallreduce
+
+    kw.setdefault("max_bytes", 64 << 10)
+    kw.setdefault("timeout", 30)
+    return pyallreduce.Communicator(**kw)
+
+
+def expect(exc_type, match, fn, *args, **kwargs):
+    with pytest.raises(exc_type, match=match):
+        fn(*args, **kwargs)
+
+
+def bad_input(rank, world):
+    import pyallreduce
+
+    comm = make_comm()
+    x = torch.ones(8)
+    expect(ValueError, "out has shape", comm.all_reduce, x, out=torch.empty(9))
+    expect(ValueError, "dtype torch.float16", comm.all_reduce, x, out=torch.empty(8, dtype=torch.float16))
+    expect(ValueError, "is on meta but this communicator serves cpu", comm.all_reduce, torch.ones(8, device="meta"))
+    expect(ValueError, "out is on meta", comm.all_reduce, x, out=torch.empty(8, device="meta"))
+    expect(TypeError, "must be a torch.Tensor", comm.all_reduce, [1.0, 2.0])
+    expect(ValueError, "op must be 'sum' or 'avg', got 'max'", comm.all_reduce, x, op="max")
+    expect(ValueError, "algo must be 'auto', 'one_shot' or 'two_shot', got 'ring'", comm.all_reduce, x, algo="ring")
+    expect(ValueError, "algo must be", comm.all_reduce, torch.ones(2, dtype=torch.int64), algo="ring")
+    # Nothing above moved data: the communicator still works.
+    assert torch.equal(comm.all_reduce(x), torch.full((8,), float(world)))
+    # Direct op calls are checked too: never out of bounds.
+    expect(RuntimeError, "exceed the staging buffer", torch.ops.pyallreduce.all_reduce, torch.ones(1 << 20),
+           comm._handle, 0, False)
+    expect(RuntimeError, "unknown algorithm id 7", torch.ops.pyallreduce.all_reduce, x, comm._handle, 7, False)
+    expect(RuntimeError, "handle 999999 is closed or was never created", torch.ops.pyallreduce.all_reduce, x,
+           999999, 0, False)
+    comm.close()
+    comm.close()  # twice is fine
+    expect(RuntimeError, "communicator is closed", comm.all_reduce, x)
+    # Construction errors.
+    expect(ValueError, "backend must be one of", pyallreduce.Communicator, backend="nccl")
+    expect(ValueError, "backend='cuda' needs a CUDA device", pyallreduce.Communicator, backend="cuda", device="cpu")
+    expect(ValueError, "timeout must be positive", pyallreduce.Communicator, timeout=0)
+    expect(ValueError, "max_bytes must be positive", pyallreduce.Communicator, max_bytes=0)
+
+
+def test_bad_input_raises_clear_errors():
+    run_ranks(bad_input, 2, timeout=120)
+
+
+def missing_rank(rank, world):
+    comm = make_comm(timeout=2)
+    x = torch.ones(100)
+    assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
+    if rank == world - 1:
+        dist.barrier()  # never calls the second collective; waits for the others to give up
+        comm.close()
+        return
+    start = time.monotonic()
+    expect(RuntimeError, rf"rank\(s\) {world - 1} never arrived", comm.all_reduce, x)
+    assert time.monotonic() - start < 10
+    # The protocol state is broken now: refuse, never continue from it.
+    expect(RuntimeError, "unusable after an earlier failure", comm.all_reduce, x)
+    comm.close()  # still works
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_that_never_calls_makes_the_others_raise_naming_it(world):
+    run_ranks(missing_rank, world, timeout=120)
+
+
+def killed_rank(rank, world, when):
+    comm = make_comm(timeout=60)
+    x = exact_input(5000, rank, torch.float32)
+    assert torch.equal(comm.all_reduce(x), exact_sum(5000, world, torch.float32))
+    if rank == 1:
+        if when == "during":
+            # Arrive at the start barrier, then die before the mid barrier of a two-shot call.
+            comm.all_reduce(x, algo="one_shot")
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    if when == "during":
+        comm.all_reduce(x, algo="one_shot")
+    # The dead rank's pid is checked while spinning: far sooner than the 60 s deadline.
+    expect(RuntimeError, r"rank 1's process has exited", comm.all_reduce, x, algo="two_shot")
+    assert time.monotonic() - start < 30
+    comm.close()
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_killed_rank_makes_survivors_raise_and_leaves_no_segment(when):
+    run_ranks(killed_rank, 2, when, timeout=120, expect_exit={1: -signal.SIGKILL})
+    # (conftest checks /dev/shm) and a fresh set of processes can start right after:
+    run_ranks(killed_rank_then_fresh, 2, timeout=60)
+
+
+def killed_rank_then_fresh(rank, world):
+    with make_comm() as comm:
+        assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
+
+
+def two_threads(rank, world):
+    comm = make_comm(timeout=30)
+    x = torch.ones(1000)
+    if rank == 0:
+        result = {}
+        blocked = threading.Thread(target=lambda: result.setdefault("y", comm.all_reduce(x)))
+        blocked.start()
+        time.sleep(0.5)  # the thread now waits in the barrier for rank 1
+        expect(RuntimeError, "another thread is inside a collective", comm.all_reduce, x)
+        dist.barrier()  # let rank 1 call
+        blocked.join()
+        assert torch.equal(result["y"], torch.full((1000,), 2.0))
+    else:
+        dist.barrier()
+        assert torch.equal(comm.all_reduce(x), torch.full((1000,), 2.0))
+    # Serial use afterwards is fine.
+    assert torch.equal(comm.all_reduce(x), torch.full((1000,), 2.0))
+    comm.close()
+
+
+def test_concurrent_calls_from_two_threads_are_rejected_not_interleaved():
+    run_ranks(two_threads, 2, timeout=120)
+
+
+def mismatch(rank, world):
+    comm = make_comm(debug=True)
+    assert torch.equal(comm.all_reduce(torch.ones(10)), torch.full((10,), 2.0))
+    numel = 10 if rank == 0 else 11
+    expect(RuntimeError, r"ranks disagree[\s\S]*rank 0: .*10, 'auto'\)[\s\S]*rank 1: .*11, 'auto'\)",
+           comm.all_reduce, torch.ones(numel))
+    comm.close()
+    # Without debug mode a size mismatch must stay inside the buffers (wrong
+    # numbers, never out of bounds), and every rank returns.
+    comm = make_comm()
+    comm.all_reduce(torch.ones(16384 if rank == 0 else 1))
+    comm.close()
+
+
+def test_debug_mode_detects_mismatched_calls():
+    run_ranks(mismatch, 2, timeout=120)
+
+
+def test_segments_are_private_and_exclusive():
+    from pyallreduce import _C
+
+    name = f"/pyallreduce-test-{os.getpid()}"
+    addr = _C.shm_create(name, 8192)
+    try:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm{name}").st_mode)
+        assert mode == 0o600, oct(mode)
+        with pytest.raises(RuntimeError, match="File exists"):
+            _C.shm_create(name, 8192)
+        with pytest.raises(RuntimeError, match="expected uid"):
+            _C.shm_map(name, 4096)  # the wrong size is refused
+    finally:
+        _C.shm_unmap(addr, 8192)
+        assert _C.shm_remove(name)
+    assert not _C.shm_remove(name)  # already gone is not an error

@@ -1,0 +1,247 @@
+"""The CPU backend over shared memory: exact sums, bitwise agreement, every
+size class (tails, both sides of the crossover and of max_bytes), in-place and
+out-of-place, back-to-back calls with random per-rank delays."""
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch import run_ranks
+from reference import DTYPES, exact_input, exact_sum, fp32_reduction, random_input, tolerance
+
+MAX_BYTES = 64 << 10  # small, so chunking runs at small sizes
+ALGOS = ("one_shot", "two_shot", "auto")
+
+
+def sizes_for(dtype):
+    """Element counts around every boundary the kernels have."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    chunk = 4096 // elem  # two-shot ownership unit
+    per_call = MAX_BYTES // elem
+    return sorted({1, 2, 3, 7, 31, 257, chunk - 1, chunk, chunk + 1, 3 * chunk + 5,
+                   per_call - 1, per_call, per_call + 1, 2 * per_call + 3})
+
+
+def make_comm(**kw):
+    import pyallreduce
+
+    kw.setdefault("max_bytes", MAX_BYTES)
+    kw.setdefault("timeout", 30)
+    return pyallreduce.Communicator(**kw)
+
+
+def check_exact_sums(rank, world):
+    failures = []
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for numel in sizes_for(dtype):
+                for algo in ALGOS:
+                    want = exact_sum(numel, world, dtype, salt=numel)
+                    x = exact_input(numel, rank, dtype, salt=numel)
+                    got = comm.all_reduce(x, algo=algo)
+                    if not torch.equal(got, want):
+                        failures.append(("out-of-place", dtype, numel, algo))
+                    # The caller may reuse its input at once: peers read the staging copy.
+                    x.fill_(1000)
+                    y = exact_input(numel, rank, dtype, salt=numel)
+                    if comm.all_reduce_(y, algo=algo) is not y or not torch.equal(y, want):
+                        failures.append(("in-place", dtype, numel, algo))
+                    out = torch.full_like(y, 77)
+                    comm.all_reduce(exact_input(numel, rank, dtype, salt=numel), algo=algo, out=out)
+                    if not torch.equal(out, want):
+                        failures.append(("out=", dtype, numel, algo))
+    assert not failures, f"rank {rank}: wrong results for {failures[:10]}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exact_sums_every_size_dtype_algo(world):
+    run_ranks(check_exact_sums, world, timeout=240)
+
+
+def check_exact_sums_small(rank, world):
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for numel in (1, 1023, 4099, 3 * (MAX_BYTES // 4) + 1):
+                for algo in ("one_shot", "two_shot"):
+                    got = comm.all_reduce(exact_input(numel, rank, dtype), algo=algo)
+                    assert torch.equal(got, exact_sum(numel, world, dtype)), (dtype, numel, algo)
+
+
+def test_exact_sums_eight_ranks():
+    run_ranks(check_exact_sums_small, 8, timeout=240)
+
+
+def average_and_random(rank, world):
+    results = []
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for numel in (5, 1000, 40000):
+                inputs = [random_input(numel, q, dtype, seed=numel) for q in range(world)]
+                for algo in ("one_shot", "two_shot"):
+                    s = comm.all_reduce(inputs[rank], algo=algo)
+                    a = comm.all_reduce(inputs[rank], op="avg", algo=algo)
+                    # The definition, bit for bit: fp32 sum in rank order, / W, one cast.
+                    assert torch.equal(s, fp32_reduction(inputs, False)), (dtype, numel, algo)
+                    assert torch.equal(a, fp32_reduction(inputs, True)), (dtype, numel, algo)
+                    ref = sum(x.double() for x in inputs)
+                    torch.testing.assert_close(s.double(), ref, **tolerance(dtype, world))
+                    results.append(s)
+        # ReduceOp values work as drop-in replacements for the strings.
+        x = random_input(100, rank, torch.float32, seed=1)
+        assert torch.equal(comm.all_reduce(x, op=dist.ReduceOp.AVG), comm.all_reduce(x, op="avg"))
+    return torch.cat([r.float() for r in results])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_random_inputs_bitwise_identical_on_all_ranks(world):
+    outs = run_ranks(average_and_random, world, timeout=180)
+    for q in range(1, world):
+        assert torch.equal(outs[0], outs[q]), f"rank {q} differs from rank 0"
+
+
+def back_to_back(rank, world, calls):
+    plan = random.Random(1234)  # every rank draws the same sequence of calls
+    delays = random.Random(rank)  # but sleeps differently
+    with make_comm() as comm:
+        for i in range(calls):
+            dtype = plan.choice(DTYPES)
+            numel = plan.choice([1, 13, 600, 2048, 5000, 20000, 70000])
+            algo = plan.choice(ALGOS)
+            inplace = plan.random() < 0.5
+            if delays.random() < 0.2:
+                time.sleep(delays.random() * 0.002)
+            x = exact_input(numel, rank, dtype, salt=i)
+            if inplace:
+                got = comm.all_reduce_(x, algo=algo)
+            else:
+                got = comm.all_reduce(x, algo=algo)
+                x.fill_(-3)  # the caller reuses its input at once
+            want = exact_sum(numel, world, dtype, salt=i)
+            assert torch.equal(got, want), f"call {i}: {dtype} {numel} {algo} inplace={inplace}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_back_to_back_calls_with_random_delays(world):
+    run_ranks(back_to_back, world, 250, timeout=240)
+
+
+def odd_layouts(rank, world):
+    with make_comm() as comm:
+        base = exact_input(6 * 10, rank, torch.float32).view(6, 10)
+        want = exact_sum(6 * 10, world, torch.float32).view(6, 10)
+        # Non-contiguous input, out and in-place target.
+        t = base.t()
+        assert torch.equal(comm.all_reduce(t), want.t())
+        out = torch.empty(6, 10).t()
+        comm.all_reduce(base.t(), out=out)
+        assert torch.equal(out, want.t())
+        tt = base.clone().t()
+        comm.all_reduce_(tt)
+        assert torch.equal(tt, want.t())
+        # A view with a storage offset: only the view changes.
+        storage = exact_input(100, rank, torch.float32)
+        view = storage[10:30]
+        comm.all_reduce_(view)
+        assert torch.equal(view, exact_sum(100, world, torch.float32)[10:30])
+        assert torch.equal(storage[:10], exact_input(100, rank, torch.float32)[:10])
+        # 0-dim and empty tensors.
+        scalar = torch.tensor(float(rank + 1))
+        assert comm.all_reduce(scalar).shape == () and comm.all_reduce(scalar).item() == sum(range(1, world + 1))
+        empty = torch.empty(0, 3)
+        assert comm.all_reduce(empty).shape == (0, 3)
+        # Tensors that require grad: the collective runs outside autograd.
+        w = torch.ones(4, requires_grad=True)
+        r = comm.all_reduce(w)
+        assert not r.requires_grad and torch.equal(r, torch.full((4,), float(world)))
+        comm.all_reduce_(w)
+        assert w.requires_grad and torch.equal(w.detach(), torch.full((4,), float(world)))
+
+
+def test_non_contiguous_views_scalars_empty_and_grad():
+    run_ranks(odd_layouts, 2, timeout=120)
+
+
+def special_values(rank, world):
+    with make_comm() as comm:
+        x = torch.tensor([1.0, float("nan"), float("inf"), float("inf") if rank == 0 else -float("inf"), 60000.0])
+        for dtype in DTYPES:
+            got = comm.all_reduce(x.to(dtype))
+            assert torch.isnan(got[1]), dtype  # NaN in, NaN out
+            assert got[2] == float("inf"), dtype
+            assert torch.isnan(got[3]), dtype  # inf + -inf
+            if dtype == torch.float16:
+                assert got[4] == float("inf")  # 120000 overflows fp16, like NCCL's
+        # The same values as the reference collective (gloo), NaNs in the same places.
+        ref = x.clone()
+        dist.all_reduce(ref)
+        torch.testing.assert_close(comm.all_reduce(x), ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_nan_inf_and_fp16_overflow_match_nccl_semantics():
+    run_ranks(special_values, 2, timeout=120)
+
+
+def fallbacks(rank, world):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("pyallreduce").addHandler(handler)
+    with make_comm() as comm:
+        for dtype in (torch.int64, torch.float64, torch.int32):
+            x = torch.arange(10, dtype=dtype) + rank
+            want = torch.arange(10, dtype=dtype) * world + sum(range(world))
+            assert torch.equal(comm.all_reduce(x), want), dtype
+        assert torch.equal(comm.all_reduce(torch.full((3,), 2.0, dtype=torch.float64), op="avg"),
+                           torch.full((3,), 2.0, dtype=torch.float64))
+        try:
+            comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
+            raise AssertionError("avg of integers must be refused")
+        except ValueError as e:
+            assert "op='sum'" in str(e)
+    messages = [r.getMessage() for r in records]
+    assert any("torch.int64 is not reduced by pyallreduce" in m for m in messages), messages
+    assert sum("torch.int64" in m for m in messages) == 1, "the reason is logged once"
+
+
+def test_unsupported_dtypes_fall_back_to_torch_distributed_with_one_log_line():
+    run_ranks(fallbacks, 2, timeout=120)
+
+
+def simulated_hosts(rank, world):
+    import os
+
+    os.environ["PYALLREDUCE_HOSTNAME"] = f"host{rank // 2}"
+    with make_comm() as comm:
+        assert comm.fallback_reason == "the group spans 2 hosts"
+        x = exact_input(1000, rank, torch.float32)
+        assert torch.equal(comm.all_reduce(x, op="sum"), exact_sum(1000, world, torch.float32))
+
+
+def test_group_spanning_hosts_falls_back():
+    run_ranks(simulated_hosts, 4, timeout=120)
+
+
+def two_communicators(rank, world):
+    import pyallreduce
+
+    sub = dist.new_group([0, 1])  # collective: every rank creates it
+    with make_comm() as a, make_comm() as b:
+        c = make_comm(group=sub) if rank < 2 else None
+        for i in range(50):
+            for comm, w in ((a, world), (c, 2), (b, world)):
+                if comm is None:
+                    continue
+                x = exact_input(3000 + i, rank, torch.bfloat16, salt=i)
+                assert torch.equal(comm.all_reduce(x, algo="two_shot" if i % 2 else "one_shot"),
+                                   exact_sum(3000 + i, w, torch.bfloat16, salt=i))
+        if c is not None:
+            c.close()
+    assert isinstance(a, pyallreduce.Communicator)
+
+
+def test_communicators_used_alternately_stay_correct():
+    run_ranks(two_communicators, 3, timeout=120)

@@ -1,0 +1,56 @@
+"""torch integration: the custom op schemas pass opcheck, and a function that
+calls Communicator.all_reduce compiles with fullgraph=True."""
+import pytest
+import torch
+
+from launch import run_ranks
+from reference import exact_input, exact_sum
+
+
+def make_comm():
+    import pyallreduce
+
+    return pyallreduce.Communicator(max_bytes=64 << 10, timeout=60)
+
+
+def opcheck_ops(rank, world):
+    comm = make_comm()
+    h = comm._handle
+    for dtype in (torch.float32, torch.bfloat16):
+        x = exact_input(300, rank, dtype)
+        torch.library.opcheck(torch.ops.pyallreduce.all_reduce.default, (x, h, 0, False))
+        torch.library.opcheck(torch.ops.pyallreduce.all_reduce_out.default, (x, torch.empty_like(x), h, 1, True))
+        torch.library.opcheck(torch.ops.pyallreduce.all_reduce_.default, (x.clone(), h, 0, False))
+    comm.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck(world):
+    run_ranks(opcheck_ops, world, timeout=180)
+
+
+def compiled(rank, world, backend):
+    comm = make_comm()
+
+    def step(x, y):
+        s = comm.all_reduce(x * 2, op="sum")
+        comm.all_reduce_(y, op="avg")
+        return s + 1, y
+
+    fn = torch.compile(step, fullgraph=True, backend=backend)
+    for i in range(3):
+        x = exact_input(1000 + i, rank, torch.float32, salt=i)
+        y = exact_input(1000 + i, rank, torch.float32, salt=i + 1)
+        s, y2 = fn(x, y.clone())
+        assert torch.equal(s, exact_sum(1000 + i, world, torch.float32, salt=i) * 2 + 1)
+        assert torch.equal(y2, exact_sum(1000 + i, world, torch.float32, salt=i + 1) / world)
+    # Larger than max_bytes: the chunk loop is traced too.
+    big = exact_input(40000, rank, torch.float32)
+    s, _ = fn(big, big.clone())
+    assert torch.equal(s, exact_sum(40000, world, torch.float32) * 2 + 1)
+    comm.close()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    run_ranks(compiled, 2, backend, timeout=400)
