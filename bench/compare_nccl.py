@@ -385,10 +385,10 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         ds = dict(cache[key], wrong=ds_wrong)
 
     rows, total_wrong = [], 0
+    # "auto" runs the table's policy, reference fallback included; a named
+    # algorithm always runs our kernels (Communicator's rule).
+    comm.crossover = table
     for algo in args.algos:
-        # "auto" runs the table's policy, reference fallback included; a named
-        # algorithm always runs our kernels, whatever the table says.
-        comm.crossover = table if algo == "auto" else policy.Crossover(table.two_shot_min_bytes, None, False)
         out = torch.empty_like(x)
         comm.all_reduce(x, op=op, algo=algo, out=out)
         inplace = x.clone()
@@ -407,7 +407,6 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
             "in_place": with_bandwidth(ip, nbytes, world), "reference": ref,
             "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong, "deepspeed": ds,
         })
-    comm.crossover = table
     return rows, total_wrong
 
 

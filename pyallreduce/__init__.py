@@ -3,11 +3,13 @@
     comm = pyallreduce.Communicator()          # after dist.init_process_group
     y = comm.all_reduce(x)                      # out-of-place, op="sum" | "avg"
     comm.all_reduce_(x)                         # in place
+    pyallreduce.ddp.register(ddp_model)         # DDP communication hook
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the torch.ops.pyallreduce schemas and kernels)
+from . import ddp
 from .communicator import DEFAULT_TIMEOUT, Communicator
 
 __version__ = "0.1.0"
-__all__ = ["Communicator", "DEFAULT_TIMEOUT"]
+__all__ = ["Communicator", "DEFAULT_TIMEOUT", "ddp"]

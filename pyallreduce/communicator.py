@@ -1,6 +1,7 @@
 """Communicator: the one place that decides backend, algorithm, chunking and
 fallback for the collectives of one process group on one node."""
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -102,6 +103,8 @@ class Communicator:
         self.nblocks = self._resolve_nblocks(nblocks)
         self.crossover = policy.lookup(policy.device_kind(self.device), self.world_size)
         self._calls = 0
+        self._capturing = False
+        self._broken_reason = None  # the Triton path's; the C++ context keeps its own
         self._transport = None
         self._handle = None
         self._closed = False
@@ -205,18 +208,68 @@ class Communicator:
         self._reduce(data, data, average, algo)
         return tensor
 
+    def register(self, tensor):
+        """Collective: lets peers read `tensor` in place (zero copy) in later calls.
+
+        For buffers reused across calls (DDP buckets, CUDA-graph inputs) on the
+        CUDA backend; every rank registers its corresponding buffer (same size)
+        in the same order. Returns True when registered. Memory legacy CUDA IPC
+        cannot export (expandable segments) keeps the staging copy, with a log
+        line, and returns False; so do the other backends, which always copy.
+        """
+        self._check_tensor(tensor, "tensor")
+        if self._handle is None or self.backend != "cuda":
+            return False
+        from .transport.cuda_ipc import RegistrationError
+
+        try:
+            addrs = self._transport.register(tensor)
+        except RegistrationError as e:
+            log_once(f"buffer not registered, the staging copy is used: {e}")
+            return False
+        _C.cuda_register_buffer(self._handle, tensor.data_ptr(), tensor.nbytes, addrs)
+        return True
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Wrap torch.cuda.graph capture of all_reduce calls in this.
+
+        The epoch advances on the device, so replays stay in step with each
+        other and with eager calls; inside, nothing talks to the host (the
+        debug fingerprint is skipped). Register reused inputs before capturing
+        to make the replays zero copy.
+        """
+        if self.device.type != "cuda":
+            raise RuntimeError("pyallreduce: capture() is for CUDA graphs; this communicator serves "
+                               f"{self.device}")
+        self._capturing = True
+        try:
+            yield self
+        finally:
+            self._capturing = False
+
     def close(self):
-        """Releases the mapped memory. Safe to call twice; not collective."""
+        """Releases the mapped memory. Safe to call twice. On CUDA it is
+        collective (every rank calls it): an exported allocation must not be
+        freed while a peer still maps it."""
+        self._close(sync=True)
+
+    def _close(self, sync):
         if self._closed:
             return
         self._closed = True
         _live.discard(self)
         if self._handle is not None:
+            if self.backend == "cuda":
+                _C.cuda_clear_buffers(self._handle)
             _C.destroy_context(self._handle)
             self._handle = None
         if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+            transport, self._transport = self._transport, None
+            if self.device.type == "cuda":
+                transport.close(sync=sync)
+            else:
+                transport.close()
 
     @property
     def closed(self):
@@ -225,12 +278,13 @@ class Communicator:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        # After an error the peers may never reach a collective close.
+        self._close(sync=exc_type is None)
 
     def __del__(self):
         try:
-            self.close()
+            self._close(sync=False)
         except Exception:
             pass
 
@@ -264,12 +318,12 @@ class Communicator:
         except KeyError:
             raise ValueError(f"pyallreduce: algo must be 'auto', 'one_shot' or 'two_shot', got {algo!r}") from None
 
-    def _reference_reason(self, tensor):
+    def _reference_reason(self, tensor, algo):
         if self.fallback_reason is not None:
             return self.fallback_reason
         if tensor.dtype not in SUPPORTED_DTYPES:
             return f"dtype {tensor.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
-        if self.crossover.prefers_reference(tensor.nbytes):
+        if algo == "auto" and self.crossover.prefers_reference(tensor.nbytes):  # a named algo runs ours
             return f"messages of {self.crossover.reference_min_bytes} bytes and more are faster with the reference"
         return None
 
@@ -278,17 +332,17 @@ class Communicator:
         nbytes = src.nbytes
         if (self._handle is not None and src.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes
                 and src.is_contiguous() and dst.is_contiguous() and not self.debug
-                and not self.crossover.prefers_reference(nbytes)):
+                and not (algo == "auto" and self.crossover.prefers_reference(nbytes))):
             # The common case, kept short: one call, no views.
             return self._run(src, dst, self._algo_id(algo, nbytes), average)
         self._algo_id(algo, 0)  # reject an unknown name even where the fallback runs
-        reason = self._reference_reason(src)
+        reason = self._reference_reason(src, algo)
         if reason is not None:
             log_once(f"torch.distributed.all_reduce used: {reason}")
             return self._reference_all_reduce(src, dst, average)
         if src.numel() == 0:
             return
-        if self.debug:
+        if self.debug and not self._capturing:
             self._check_fingerprint(src, average, algo)
         contiguous_dst = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         flat_src = src.contiguous().view(-1)
@@ -306,9 +360,16 @@ class Communicator:
         if self.backend == "triton":
             from . import triton_kernels
 
+            if self._broken_reason is not None:
+                raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
+                                   f"({self._broken_reason}); close() it and create a new Communicator on every rank")
             t = self._transport
-            return triton_kernels.all_reduce(src, dst, t.regions, self.rank, self.world_size, self.max_bytes,
-                                             self.nblocks, algo_id, average, self.timeout_s)
+            try:
+                return triton_kernels.all_reduce(src, dst, t.regions, self.rank, self.world_size, self.max_bytes,
+                                                 self.nblocks, algo_id, average, self.timeout_s)
+            except RuntimeError as e:
+                self._broken_reason = str(e)  # epochs are out of step across ranks now (as in C++)
+                raise
         if src is dst:
             _all_reduce_inplace(dst, self._handle, algo_id, average)
         else:
@@ -348,4 +409,4 @@ _live = weakref.WeakSet()
 @atexit.register
 def _close_all():
     for comm in list(_live):
-        comm.close()
+        comm._close(sync=False)  # the peers may already be gone

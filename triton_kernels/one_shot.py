@@ -12,8 +12,8 @@ from .signal import DATA_OFFSET, START_BARRIER, START_FLAGS_OFFSET, barrier, nex
 # Chunk width in bytes, the same for every dtype, so that an fp32 call and a
 # bf16 call give each program the same bytes of the staging buffers (the
 # per-program flags rely on it, protocol.h). One ALIGNMENT unit: chunk
-# boundaries are slice boundaries, which protocol.h keeps on that grid; on a
-# GPU it is 16 to 32 bytes (one or two 16-byte vectors) per thread at 4 warps.
+# boundaries are slice boundaries, which protocol.h keeps on that grid. On a
+# GPU that is 32 bytes (two 16-byte vectors) per thread at 4 warps.
 CHUNK_BYTES = _C.ALIGNMENT
 NUM_WARPS = 4
 

@@ -55,9 +55,6 @@ if INTERPRET:
         # the core to a peer process that still has to arrive.
         os.sched_yield()
         return tl.full((), time.monotonic_ns(), tl.int64)
-
-    def _trap():
-        pass
 else:
     @triton.jit
     def clock_ns():

@@ -46,9 +46,8 @@ def _kernel(
                    WORLD_SIZE):
             for c in range(pid, nchunks, nprog):
                 idx, mask = chunk_range(c, n_elements, CHUNK)
-                owner = (c // nprog) % WORLD_SIZE
-                tl.store(out_ptr + idx, tl.load(staging_ptrs(region_ptr(regions_ptr, owner, staging, T), idx), mask=mask),
-                         mask=mask)
+                owner_buf = region_ptr(regions_ptr, (c // nprog) % WORLD_SIZE, staging, T)
+                tl.store(out_ptr + idx, tl.load(staging_ptrs(owner_buf, idx), mask=mask), mask=mask)
 
 
 def launch(input, out, regions, status, rank, world_size, max_bytes, nblocks, average, timeout_ns):

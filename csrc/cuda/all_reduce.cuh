@@ -1,8 +1,8 @@
 // One-shot and two-shot all-reduce kernels over CUDA IPC memory (protocol in
 // csrc/common/protocol.h, explained in docs/architecture.md). Templated on the
-// element type and the world size so every per-peer loop is unrolled and the W
-// peer pointers live in registers; csrc/cuda/all_reduce.cu only checks inputs
-// and calls launch_all_reduce() below.
+// element type and the world size so every per-peer loop is unrolled and all W
+// loads of a vector are in flight together; csrc/cuda/all_reduce.cu only picks
+// the source mode (Mode below) and calls launch_all_reduce().
 //
 // Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
 // thread t of a block handles the 16-byte vector t of each of its chunks.

@@ -1,0 +1,353 @@
+"""CUDA transport: one cudaMalloc'd region per rank, exported with legacy CUDA IPC.
+
+Nothing here assumes one GPU per rank: several processes may share a GPU
+(legacy IPC maps another process's allocation on the same device too), which
+is how the GPU tests run on a single-GPU machine.
+"""
+import ctypes
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+
+
+class RegistrationError(RuntimeError):
+    """register() could not export or map the buffer on some rank.
+
+    Raised on every rank alike, so every rank falls back to the staging copy.
+    """
+
+
+def _device_index(device):
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"pyallreduce: the CUDA transport needs a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _gather(obj, group):
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree_all(errors, what, exc=RegistrationError):
+    """Raises if any rank's entry of `errors` (gathered str or None) is set."""
+    failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
+    if failed:
+        raise exc(f"pyallreduce: {what} failed on " + "; ".join(failed))
+
+
+def _agree(error, group, what, exc=RegistrationError):
+    """Collective: raises on every rank if `error` (a str or None) is set on any."""
+    _agree_all(_gather(error, group), what, exc)
+
+
+class CudaIpcTransport:
+    """Maps every rank's region (protocol.h layout) into every rank of `group`.
+
+    Same interface as HostShmTransport: rank, world_size, max_bytes, device,
+    regions (each rank's region base as a device address mapped in this
+    process, own included), pids, close(). Plus register() for zero-copy.
+    """
+
+    def __init__(self, group, max_bytes, device=None):
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.max_bytes = max_bytes
+        self.device = torch.device("cuda", _device_index(device))
+        self.region_bytes = _C.region_bytes(max_bytes)
+        self.regions = []
+        self.pids = []
+        self._group = group
+        self._opened = {}  # peer IPC handle -> address mapped here (closed in close())
+        self._registered = []  # tensors peers read in place: kept alive until close()
+        self._own = None
+        try:
+            # Failures before and during the exchange are shared through the
+            # same collectives, so every rank raises together instead of some
+            # waiting in a collective that the failed rank never joins.
+            error, handle = None, None
+            try:
+                # Zeroed and synchronised before its handle leaves this process:
+                # a peer must never see flags or epochs that are not zero.
+                self._own = _C.cuda_alloc_region(self.device.index, self.region_bytes)
+                handle = _C.cuda_ipc_handle(self.device.index, self._own)
+            except RuntimeError as e:
+                error = str(e)
+            peers = _gather((socket.gethostname(), os.getpid(), handle, error), group)
+            _agree_all([e for _, _, _, e in peers], "allocating and exporting the regions", RuntimeError)
+            hosts = sorted({host for host, _, _, _ in peers})
+            if len(hosts) != 1:
+                raise RuntimeError(
+                    f"pyallreduce: CUDA IPC needs every rank on one host; the group spans {hosts}"
+                )
+            self.pids = [pid for _, pid, _, _ in peers]
+            error = None
+            try:
+                for q, (_, _, peer_handle, _) in enumerate(peers):
+                    self.regions.append(self._own if q == self.rank else self._open(peer_handle))
+            except RuntimeError as e:
+                error = str(e)
+            _agree(error, group, "mapping the peers' regions", RuntimeError)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, handle):
+        addr = self._opened.get(handle)
+        if addr is None:
+            addr = _C.cuda_ipc_open(self.device.index, handle)
+            self._opened[handle] = addr
+        return addr
+
+    def register(self, tensor):
+        """Collective: exports `tensor` for zero-copy reads by every peer.
+
+        Every rank passes its corresponding buffer (same number of bytes).
+        Returns every rank's buffer address as mapped in this process (own
+        included) for _C.cuda_register_buffer. Raises RegistrationError on every
+        rank when any rank's memory cannot be exported or mapped (torch's
+        expandable segments and cudaMallocAsync memory cannot be exported with
+        legacy IPC): the caller then keeps the staging copy. The tensor is kept
+        alive until close(), so its memory is never reused while peers may read it.
+        """
+        index = self.device.index
+        error, info = None, None
+        if not (tensor.is_cuda and tensor.device == self.device and tensor.is_contiguous()):
+            error = f"needs a contiguous tensor on {self.device}, got {tensor.device}"
+        else:
+            ptr = tensor.data_ptr()
+            nbytes = tensor.numel() * tensor.element_size()
+            try:
+                if not _C.cuda_ipc_exportable(index, ptr):
+                    error = (
+                        "memory cannot be exported with legacy CUDA IPC (expandable segments "
+                        "or a cudaMallocAsync pool?)"
+                    )
+                else:
+                    base, _ = _C.cuda_address_range(index, ptr)
+                    info = (_C.cuda_ipc_handle(index, base), ptr - base, nbytes, ptr % 16)
+            except RuntimeError as e:
+                error = str(e)
+        infos = _gather((error, info), self._group)
+        _agree_all([e for e, _ in infos], "exporting the buffer to register")
+        # Every rank sees the same `infos`, so the checks below agree too.
+        sizes = {i[2] for _, i in infos}
+        if len(sizes) != 1:
+            raise RegistrationError(f"pyallreduce: register got buffers of different sizes {sizes}")
+        if any(i[3] for _, i in infos):
+            raise RegistrationError("pyallreduce: register needs 16-byte aligned buffers on every rank")
+
+        addrs, error = [], None
+        try:
+            for q, (_, (handle, offset, _, _)) in enumerate(infos):
+                addrs.append(tensor.data_ptr() if q == self.rank else self._open(handle) + offset)
+        except RuntimeError as e:
+            error = str(e)
+        _agree(error, self._group, "mapping the peers' registered buffers")
+        self._registered.append(tensor)
+        return addrs
+
+    def close(self, sync=True):
+        """Unmaps the peers and frees the own region.
+
+        With sync (the default) this is collective, because CUDA leaves freeing
+        an exported allocation that another process still maps undefined: the
+        device is synchronised and the group passes a barrier (no kernel reads
+        any region any more; a one-shot call has no end barrier, so a peer may
+        read our staging buffer after our own kernel ended), every rank unmaps
+        its peers, a second barrier, then every rank frees its own memory.
+        sync=False only releases locally: for error paths and process exit,
+        when the peers are gone or never mapped anything.
+        """
+        if sync and self._own is not None and dist.is_initialized():
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self._group)
+            self._close_peers()
+            dist.barrier(group=self._group)
+        self._release()
+
+    def _close_peers(self):
+        errors = []
+        for addr in self._opened.values():
+            try:
+                _C.cuda_ipc_close(self.device.index, addr)
+            except RuntimeError as e:
+                errors.append(str(e))
+        self._opened = {}
+        self.regions = []
+        if errors:
+            raise RuntimeError("pyallreduce: closing peer mappings failed: " + "; ".join(errors))
+
+    def _release(self):
+        try:
+            self._close_peers()
+        finally:
+            self._registered = []
+            if self._own is not None:
+                own, self._own = self._own, None
+                _C.cuda_free_region(self.device.index, own)
+
+
+# ---- topology ------------------------------------------------------------------------
+
+_NVML_SUCCESS = 0
+_NVML_P2P_CAPS_INDEX_NVLINK = 2
+_NVML_P2P_STATUS_OK = 0
+_topology_cache = {}
+
+
+def _nvlink_connected(bus_a, bus_b):
+    """True/False from NVML (loaded at run time if installed), None if NVML is unavailable."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != _NVML_SUCCESS:
+        return None
+    try:
+        handles = []
+        for bus in (bus_a, bus_b):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) != _NVML_SUCCESS:
+                return None
+            handles.append(handle)
+        status = ctypes.c_int()
+        rc = nvml.nvmlDeviceGetP2PStatus(
+            handles[0], handles[1], _NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status)
+        )
+        if rc != _NVML_SUCCESS:
+            return None
+        return status.value == _NVML_P2P_STATUS_OK
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _probe_pattern(writer, target):
+    return torch.tensor([(writer * 31 + target * 7 + i * 13 + 1) % 251 for i in range(16)], dtype=torch.uint8)
+
+
+def _ipc_probe(group, index, rank, world):
+    """Collective: every rank copies 16 bytes from its GPU into every rank's
+    buffer through CUDA IPC and reads them back; returns None or what went
+    wrong here. Slot q of a buffer is written by rank q; the slot after the
+    last is this rank's scratch, so every copy through a mapping is GPU to GPU."""
+    slot = 16
+    own, handle, opened, error = None, None, [], None
+    try:
+        try:
+            own = _C.cuda_alloc_region(index, slot * (world + 1))
+            scratch = own + world * slot
+            handle = _C.cuda_ipc_handle(index, own)
+        except RuntimeError as e:
+            error = str(e)
+        handles = _gather(handle, group)
+        if error is None and None in handles:
+            error = f"rank {handles.index(None)} could not export its probe buffer"
+        peers = []
+        if error is None:
+            try:
+                for q, h in enumerate(handles):
+                    peers.append(own if q == rank else _C.cuda_ipc_open(index, h))
+                    if q != rank:
+                        opened.append(peers[-1])
+                for q in range(world):  # write into rank q's buffer, slot `rank`
+                    src = _probe_pattern(rank, q)
+                    _C.cuda_memcpy(index, scratch, src.data_ptr(), slot)
+                    _C.cuda_memcpy(index, peers[q] + rank * slot, scratch, slot)
+            except RuntimeError as e:
+                error = str(e)
+        dist.barrier(group=group)  # every rank wrote (or failed)
+        if error is None:
+            got = torch.empty(slot * world, dtype=torch.uint8)
+            _C.cuda_memcpy(index, got.data_ptr(), own, slot * world)
+            for q in range(world):
+                if not torch.equal(got[q * slot:(q + 1) * slot], _probe_pattern(q, rank)):
+                    error = f"bytes written by rank {q} through CUDA IPC did not arrive"
+                    break
+        if error is None:
+            got = torch.empty(slot, dtype=torch.uint8)
+            for q in range(world):  # read rank q's own slot through the mapping
+                _C.cuda_memcpy(index, scratch, peers[q] + q * slot, slot)
+                _C.cuda_memcpy(index, got.data_ptr(), scratch, slot)
+                if not torch.equal(got, _probe_pattern(q, q)):
+                    error = f"reading rank {q}'s memory through CUDA IPC returned wrong bytes"
+                    break
+        dist.barrier(group=group)  # nobody reads or writes the buffers any more
+        for addr in opened:
+            _C.cuda_ipc_close(index, addr)
+        opened = []
+        dist.barrier(group=group)  # every peer unmapped our buffer: it may be freed
+    finally:
+        for addr in opened:  # only after an unexpected error
+            _C.cuda_ipc_close(index, addr)
+        if own is not None:
+            _C.cuda_free_region(index, own)
+    return error
+
+
+def check_topology(group=None, device=None):
+    """Collective: whether the CUDA transport can serve `group` -> (ok, reason).
+
+    Every rank on one host, at most MAX_RANKS ranks, every pair of distinct
+    GPUs peer-capable (and NVLink-connected when NVML is installed: the
+    driver's can-access-peer alone is not trusted), and a real IPC write/read
+    probe between every pair of ranks. Every rank gets the same answer. The
+    result is cached per (group members, GPU) in this process.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    index = _device_index(device)
+    members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    # A failing CUDA call on one rank must not leave the others waiting in a
+    # collective: errors are carried through the gathers below instead.
+    try:
+        bus, error = _C.cuda_pci_bus_id(index), None
+    except RuntimeError as e:
+        bus, error = None, str(e)
+    key = (members, bus)
+    if bus is not None and key in _topology_cache:
+        return _topology_cache[key]
+
+    facts = _gather((socket.gethostname(), bus), group)
+    hosts = sorted({h for h, _ in facts})
+    if world > _C.MAX_RANKS:
+        result = (False, f"world size {world} exceeds {_C.MAX_RANKS}")
+    elif len(hosts) != 1:
+        result = (False, f"ranks span several hosts {hosts}")
+    else:
+        if error is None:
+            error = _check_peers(index, bus, rank, facts)
+        probe_error = _ipc_probe(group, index, rank, world)
+        errors = _gather(error or probe_error, group)
+        failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
+        result = (False, "; ".join(failed)) if failed else (True, "same host, P2P mesh, IPC probe passed")
+    if bus is not None:
+        _topology_cache[key] = result
+    return result
+
+
+def _check_peers(index, bus, rank, facts):
+    """None, or why this rank's GPU cannot serve a peer's GPU directly."""
+    try:
+        for q, (_, peer_bus) in enumerate(facts):
+            if peer_bus == bus:
+                continue  # the same GPU (several ranks may share one)
+            if peer_bus is None:
+                return f"rank {q} could not identify its GPU"
+            peer = _C.cuda_device_by_pci_bus_id(peer_bus)
+            if peer < 0:
+                return f"rank {rank} cannot see rank {q}'s GPU {peer_bus} (CUDA_VISIBLE_DEVICES?)"
+            if not _C.cuda_can_access_peer(index, peer):
+                return f"GPU {bus} (rank {rank}) cannot access GPU {peer_bus} (rank {q}) as a peer"
+            if _nvlink_connected(bus, peer_bus) is False:
+                return f"GPUs {bus} (rank {rank}) and {peer_bus} (rank {q}) are not connected by NVLink"
+    except RuntimeError as e:
+        return str(e)
+    return None

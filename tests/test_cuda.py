@@ -1,0 +1,279 @@
+"""The CUDA backend on a GPU: several processes share ONE GPU through CUDA IPC
+(legacy IPC maps another process's memory on the same device), so the IPC
+path, the flags across processes, zero-copy buffers and CUDA graphs are all
+checked for correctness on a single-GPU machine. Kernels of different
+processes time-slice there, so nothing here measures speed.
+
+Skipped without a GPU or without the CUDA kernels in the build.
+"""
+import hashlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import pyallreduce  # noqa: E402
+from pyallreduce import _C  # noqa: E402
+
+if not _C.WITH_CUDA:
+    pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
+
+from launch import run_ranks  # noqa: E402
+from reference import DTYPES, exact_input, exact_sum, fp32_reduction, random_input, tolerance  # noqa: E402
+
+WORLD_SIZES = (2, 4, 8)
+ALGOS = ("one_shot", "two_shot")
+MAX_BYTES = 256 << 10  # small, so the communicator's chunking runs too
+CHUNK_BYTES = 512 * 16  # the CUDA kernels' chunk: 512 threads x one 16-byte vector
+NBLOCKS = 4
+TIMEOUT_S = 60  # kernels of 8 processes time-slice on one GPU: generous deadlines
+RUN_TIMEOUT = 900
+
+
+def sizes_for(dtype):
+    """Element counts around every boundary the kernels have: sub-vector tails,
+    one vector, one chunk, one round of chunks over the blocks (two-shot
+    ownership), the staging buffer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vec, chunk = 16 // elem, CHUNK_BYTES // elem
+    per_call = MAX_BYTES // elem
+    return sorted({1, 3, vec - 1, vec, vec + 1, chunk - 1, chunk + 3, NBLOCKS * chunk + 1,
+                   3 * NBLOCKS * chunk - vec + 1, per_call - 1, per_call, 2 * per_call + 5})
+
+
+def make_comm(**kw):
+    kw.setdefault("device", torch.device("cuda", 0))
+    kw.setdefault("backend", "cuda")
+    kw.setdefault("max_bytes", MAX_BYTES)
+    kw.setdefault("timeout", TIMEOUT_S)
+    kw.setdefault("nblocks", NBLOCKS)
+    return pyallreduce.Communicator(**kw)
+
+
+def exact_avg(numel, world, dtype, salt):
+    return fp32_reduction([exact_input(numel, q, dtype, salt) for q in range(world)], average=True)
+
+
+def on_gpu(t):
+    return t.to("cuda")
+
+
+def digest(t):
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def gather(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---- eager ---------------------------------------------------------------------------
+
+
+def check_eager(rank, world):
+    torch.cuda.set_device(0)
+    failures = []
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for numel in sizes_for(dtype):
+                for algo in ALGOS:
+                    salt = numel % 97
+                    want_sum = exact_sum(numel, world, dtype, salt)
+                    x = on_gpu(exact_input(numel, rank, dtype, salt))
+                    got = comm.all_reduce(x, algo=algo)
+                    x.fill_(1000)  # reuse the input at once: peers read the staging copy
+                    if not torch.equal(got.cpu(), want_sum):
+                        failures.append(("sum", dtype, numel, algo))
+
+                    got = comm.all_reduce(on_gpu(exact_input(numel, rank, dtype, salt)), op="avg", algo=algo)
+                    if not torch.equal(got.cpu(), exact_avg(numel, world, dtype, salt)):
+                        failures.append(("avg", dtype, numel, algo))
+
+                    y = on_gpu(exact_input(numel, rank, dtype, salt))
+                    comm.all_reduce_(y, algo=algo)
+                    if not torch.equal(y.cpu(), want_sum):
+                        failures.append(("in-place", dtype, numel, algo))
+
+                    # Views one element off 16-byte alignment take the aligned-copy path.
+                    base = on_gpu(torch.full((numel + 1,), 55, dtype=dtype))
+                    view = base[1:]
+                    view.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
+                    out = on_gpu(torch.full((numel + 1,), 66, dtype=dtype))[1:]
+                    comm.all_reduce(view, algo=algo, out=out)
+                    if not torch.equal(out.cpu(), want_sum) or base[0].item() != 55:
+                        failures.append(("misaligned", dtype, numel, algo))
+    assert not failures, f"rank {rank}: wrong results for {failures[:10]} ({len(failures)} in all)"
+
+
+def check_random_floats(rank, world):
+    """Random values against fp64 within one rounding, and the same bits on every rank."""
+    torch.cuda.set_device(0)
+    failures, digests = [], []
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for algo in ALGOS:
+                for op in ("sum", "avg"):
+                    numel = 3 * NBLOCKS * CHUNK_BYTES // 2 + 7
+                    got = comm.all_reduce(on_gpu(random_input(numel, rank, dtype, seed=numel)), op=op, algo=algo)
+                    inputs = [random_input(numel, q, dtype, seed=numel) for q in range(world)]
+                    ref = sum(t.double() for t in inputs) / (world if op == "avg" else 1)
+                    if not torch.allclose(got.cpu().double(), ref, **tolerance(dtype, world)):
+                        failures.append((dtype, algo, op))
+                    if not torch.equal(got.cpu(), fp32_reduction(inputs, op == "avg")):
+                        failures.append(("bits", dtype, algo, op))
+                    digests.append(digest(got))
+    assert not failures, f"rank {rank}: {failures}"
+    assert len(set(map(tuple, gather(digests)))) == 1, "ranks disagree on the bits of a result"
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------
+
+
+def check_graph(rank, world):
+    """Captured once, replayed many times with new inputs: the kernels' epoch
+    lives in device memory, so every replay is a new call."""
+    torch.cuda.set_device(0)
+    failures = []
+    replays = 30
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            numel = 2 * NBLOCKS * CHUNK_BYTES // torch.empty((), dtype=dtype).element_size() + 3
+            static = on_gpu(exact_input(numel, rank, dtype))
+            comm.all_reduce(static)  # warm-up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with comm.capture():
+                with torch.cuda.graph(graph):
+                    # Several calls in one graph, both algorithms, sum and avg.
+                    out_one = comm.all_reduce(static, algo="one_shot")
+                    out_two = comm.all_reduce(static, algo="two_shot")
+                    out_avg = comm.all_reduce(static, op="avg", algo="two_shot")
+            for it in range(replays):
+                salt = it + 1
+                static.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
+                graph.replay()
+                want = exact_sum(numel, world, dtype, salt)
+                if not (torch.equal(out_one.cpu(), want) and torch.equal(out_two.cpu(), want)):
+                    failures.append(("sum", dtype, it))
+                if not torch.equal(out_avg.cpu(), exact_avg(numel, world, dtype, salt)):
+                    failures.append(("avg", dtype, it))
+            # Eager calls still line up with the epochs the replays advanced.
+            got = comm.all_reduce(on_gpu(exact_input(numel, rank, dtype, 99)))
+            if not torch.equal(got.cpu(), exact_sum(numel, world, dtype, 99)):
+                failures.append(("eager after replays", dtype))
+            del graph
+    assert not failures, f"rank {rank}: {failures[:10]}"
+
+
+# ---- zero-copy (registered) buffers -----------------------------------------------------
+
+
+def check_registered(rank, world):
+    """Peers read registered buffers in place; the input is overwritten right
+    after every call, which goes wrong if a kernel returns while peers still
+    read it (the end barrier)."""
+    torch.cuda.set_device(0)
+    failures = []
+    with make_comm() as comm:
+        handle = comm._handle  # white-box: confirm the zero-copy path is taken
+        for dtype in DTYPES:
+            numel = 3 * NBLOCKS * CHUNK_BYTES // torch.empty((), dtype=dtype).element_size() + 5
+            buf = torch.empty(numel + 64, dtype=dtype, device="cuda")
+            comm.register(buf)
+            elem = buf.element_size()
+            views = {"whole": buf[:numel], "offset": buf[32 // elem: 32 // elem + numel // 2]}
+            for name, view in views.items():
+                if not _C.cuda_is_registered(handle, view.data_ptr(), view.numel() * elem):
+                    failures.append(("not registered", dtype, name))
+            for it in range(40):
+                for name, view in views.items():
+                    n = view.numel()
+                    want = exact_sum(n, world, dtype, it)
+                    for algo in ALGOS:
+                        view.copy_(on_gpu(exact_input(n, rank, dtype, it)))
+                        got = comm.all_reduce(view, algo=algo)
+                        view.fill_(-3)  # at once, on the same stream
+                        if not torch.equal(got.cpu(), want):
+                            failures.append(("out-of-place", dtype, name, algo, it))
+
+                        view.copy_(on_gpu(exact_input(n, rank, dtype, it)))
+                        comm.all_reduce_(view, algo=algo)
+                        snapshot = view.clone()
+                        view.fill_(-5)
+                        if not torch.equal(snapshot.cpu(), want):
+                            failures.append(("in-place", dtype, name, algo, it))
+
+            # Captured with a registered input: replays read it in place.
+            static = buf[:numel]
+            graph = torch.cuda.CUDAGraph()
+            with comm.capture():
+                with torch.cuda.graph(graph):
+                    out = comm.all_reduce(static, algo="one_shot")
+            for it in range(20):
+                static.copy_(on_gpu(exact_input(numel, rank, dtype, it)))
+                graph.replay()
+                static.fill_(-7)
+                if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, it)):
+                    failures.append(("graph", dtype, it))
+            del graph
+    assert not failures, f"rank {rank}: {failures[:10]} ({len(failures)} in all)"
+
+
+# ---- many calls back to back ---------------------------------------------------------
+
+
+def check_back_to_back(rank, world):
+    """1,000 calls without synchronising, mixing dtypes, sizes and algorithms
+    (the staging buffer parity and the block epochs must stay in step), with
+    ranks skewed by random GPU sleeps, the input overwritten after each call."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    calls = 1000
+    with make_comm() as comm:
+        x = {d: torch.empty(4096, dtype=d, device="cuda") for d in DTYPES}
+        results = []
+        for i in range(calls):
+            dtype = DTYPES[i % len(DTYPES)]
+            numel = (1 + 37 * i) % 3000 + 1
+            algo = ALGOS[(i // 3) % 2]
+            view = x[dtype][:numel]
+            view.copy_(on_gpu(exact_input(numel, rank, dtype, i)))
+            if torch.randint(0, 8, (1,), generator=gen).item() == 0:
+                torch.cuda._sleep(int(torch.randint(1, 200_000, (1,), generator=gen).item()))
+            out = comm.all_reduce(view, algo=algo)
+            view.fill_(7)
+            results.append((i, dtype, numel, out))
+        torch.cuda.synchronize()
+        wrong = [(i, dtype, numel) for i, dtype, numel, out in results
+                 if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, i))]
+    assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_eager_exact_every_size_dtype_algo(world):
+    run_ranks(check_eager, world, timeout=RUN_TIMEOUT)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_random_floats_match_fp64_and_agree(world):
+    run_ranks(check_random_floats, world, timeout=RUN_TIMEOUT)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_cuda_graph_replays(world):
+    run_ranks(check_graph, world, timeout=RUN_TIMEOUT)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_registered_zero_copy(world):
+    run_ranks(check_registered, world, timeout=RUN_TIMEOUT)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_thousand_calls_back_to_back(world):
+    run_ranks(check_back_to_back, world, timeout=RUN_TIMEOUT)
