@@ -186,7 +186,6 @@ def train(mode, args, device, data):
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=args.bucket_cap_mb)
-    state = None
     if mode == "pyallreduce":
         state = pyallreduce.ddp.register(ddp, compression=args.compression, nblocks=args.nblocks)
     else:

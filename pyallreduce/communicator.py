@@ -323,13 +323,13 @@ class Communicator:
             return self.fallback_reason
         if tensor.dtype not in SUPPORTED_DTYPES:
             return f"dtype {tensor.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
-        if algo == "auto" and self.crossover.prefers_reference(tensor.nbytes):  # a named algo runs ours
+        if algo == "auto" and self.crossover.prefers_reference(tensor.numel() * tensor.element_size()):  # a named algo runs ours
             return f"messages of {self.crossover.reference_min_bytes} bytes and more are faster with the reference"
         return None
 
     def _reduce(self, src, dst, average, algo):
         """dst = reduce(src) across ranks; dst may be src."""
-        nbytes = src.nbytes
+        nbytes = src.numel() * src.element_size()  # not .nbytes: works on symbolic shapes (torch.compile)
         if (self._handle is not None and src.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes
                 and src.is_contiguous() and dst.is_contiguous() and not self.debug
                 and not (algo == "auto" and self.crossover.prefers_reference(nbytes))):
@@ -351,7 +351,7 @@ class Communicator:
         for start in range(0, flat_src.numel(), per_call):
             s = flat_src[start:start + per_call]
             d = flat_dst[start:start + per_call]
-            self._run(s, d, self._algo_id(algo, s.nbytes), average)
+            self._run(s, d, self._algo_id(algo, s.numel() * s.element_size()), average)
         if contiguous_dst is not dst:
             dst.copy_(contiguous_dst)
 
