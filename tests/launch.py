@@ -38,6 +38,11 @@ def _rank_main(fn, rank, world_size, port, env, results, args):
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
+            # DDP's reference cycles can keep the gloo group alive into interpreter
+            # shutdown, which then aborts; collect them while the group still exists.
+            import gc
+
+            gc.collect()
             dist.destroy_process_group()
 
 
