@@ -26,6 +26,8 @@ import pyallreduce
 from pyallreduce import policy
 from pyallreduce.communicator import DEFAULT_MAX_BYTES
 
+from local_ranks import init_group, spawn_ranks, under_torchrun
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPS = ("sum", "avg")
 ALGOS = ("auto", "one_shot", "two_shot")
@@ -85,7 +87,8 @@ def parse_args(argv=None):
                "the group); JSON also has p10/p90. algbw = size/time, busbw = algbw*2(W-1)/W. The "
                "reference (torch.distributed.all_reduce) is in place, so speedup and the crossovers "
                "compare it with our in-place time. Without torchrun (no RANK in the environment) "
-               "the script starts --nproc ranks itself, with OMP_NUM_THREADS = cores/nproc unless set.")
+               "the script starts --nproc ranks itself, with OMP_NUM_THREADS = cores/nproc unless set "
+               "and, on CPU, each rank bound to its own share of the cores.")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="tensors' device (default: cuda if available, else cpu)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
@@ -142,48 +145,6 @@ def parse_args(argv=None):
         except ImportError:
             p.error("--plot needs matplotlib (pip install matplotlib, or pyallreduce[plot])")
     return args
-
-
-# ---- launching -----------------------------------------------------------------
-
-def spawn_ranks(nproc):
-    """Runs this script once per rank with torchrun's environment; returns the
-    worst exit code. A rank that fails takes the others down with it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", threads)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env))
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
-
-
-def init_group(device_type):
-    rank = int(os.environ["RANK"])
-    if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
 
 
 # ---- inputs and checks -----------------------------------------------------------
@@ -456,6 +417,7 @@ def machine_description(device, world):
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "pyallreduce": pyallreduce.__version__, "python": platform.python_version(),
         "world_size": world, "device": str(device), "device_kind": policy.device_kind(device),
+        "cores_of_rank_0": sorted(os.sched_getaffinity(0)),
     }
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda_runtime=torch.version.cuda,
@@ -603,8 +565,8 @@ def run(args):
 
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        return spawn_ranks(args.nproc)
+    if not under_torchrun():
+        return spawn_ranks(__file__, args.nproc, bind_cores=args.device == "cpu")
     return run(args)
 
 

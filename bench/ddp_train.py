@@ -11,11 +11,8 @@ rank a different slice of one global batch), so their losses should agree to rou
 import argparse
 import gc
 import json
-import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +25,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pyallreduce.ddp
+
+from local_ranks import init_group, spawn_ranks, under_torchrun
 
 MODES = ("default", "pyallreduce")
 
@@ -76,47 +75,6 @@ def parse_args(argv=None):
         p.error("--device cuda: no CUDA device is visible")
     args.compression = None if args.compression == "none" else args.compression
     return args
-
-
-# ---- launching -----------------------------------------------------------------
-
-def spawn_ranks(nproc):
-    """Runs this script once per rank with torchrun's environment; returns the worst exit
-    code. A rank that fails takes the others down with it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", threads)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env))
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
-
-
-def init_group(device_type):
-    if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
 
 
 # ---- model and data ----------------------------------------------------------------
@@ -263,8 +221,8 @@ def report(args, world, device, results):
 
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        return spawn_ranks(args.nproc)
+    if not under_torchrun():
+        return spawn_ranks(__file__, args.nproc)
     return run(args)
 
 

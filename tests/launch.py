@@ -9,6 +9,7 @@ rank's traceback. It never hangs.
 """
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -31,7 +32,10 @@ def _rank_main(fn, rank, world_size, port, env, results, args):
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data into the message. The queue's own pickler
+        # would pass tensors as shared-memory file descriptors that the parent fetches
+        # from this process later, which fails once this process has exited.
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, "ok", value))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -101,7 +105,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
             want = expect_exit.get(r, 0)
             if p.exitcode != want:
                 raise RankFailure(f"rank {r} exited with code {p.exitcode}, expected {want}")
-        return [outcomes[r][1] if r in outcomes else None for r in range(world_size)]
+        return [pickle.loads(outcomes[r][1]) if r in outcomes else None for r in range(world_size)]
     finally:
         for p in procs:
             if p.is_alive():

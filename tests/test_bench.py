@@ -1,41 +1,26 @@
 """bench/compare_nccl.py on CPU: a short real run (2 spawned ranks, a few small
 sizes) must pass its own correctness round, write the documented JSON and a
 crossover table the policy reads; a wrong result must fail the run."""
-import importlib.util
 import json
-import os
 import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pyallreduce import policy
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "compare_nccl.py"
+import bench_scripts
+from bench_scripts import clean_env
+
+BENCH = bench_scripts.BENCH_DIR / "compare_nccl.py"
 TIMEOUT_S = 120  # a loaded 2-core CI box; the run itself takes ~20 s
 SIZES = [4 << 10, 32 << 10, 256 << 10]
 STATS = {"time_us", "p10_us", "p90_us", "algbw", "busbw"}
 ROW = {"backend", "size", "count", "type", "redop", "algo", "out_of_place", "in_place", "reference",
        "speedup", "wrong", "deepspeed"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("compare_nccl", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def clean_env():
-    """The script spawns its own ranks only when not under torchrun."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def run(cmd, env):
@@ -87,7 +72,7 @@ def test_cpu_run_json_and_crossovers(tmp_path):
                                                                       if k != "2"}
     crossover = policy.lookup("cpu", 2, path=table)
     assert crossover.measured
-    assert crossover.two_shot_min_bytes in SIZES + [load_bench().NEVER]
+    assert crossover.two_shot_min_bytes in SIZES + [bench_scripts.load("compare_nccl").NEVER]
     assert crossover.reference_min_bytes is None or crossover.reference_min_bytes in SIZES
 
 
@@ -98,7 +83,8 @@ def free_port():
 
 
 WRONG_EXPECTATION = """
-import importlib.util, sys
+import importlib.util, os, sys
+sys.path.insert(0, os.path.dirname({bench!r}))
 spec = importlib.util.spec_from_file_location("compare_nccl", {bench!r})
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
@@ -146,7 +132,7 @@ def row(size, algo, ours, ref):
 
 
 def test_crossover_is_the_start_of_the_winning_tail():
-    bench = load_bench()
+    bench = bench_scripts.load("compare_nccl")
     # two-shot wins at 2K (a blip), loses at 4K, wins from 8K on; the
     # reference wins only at the largest size.
     one = {1024: 10, 2048: 20, 4096: 30, 8192: 50, 16384: 90}

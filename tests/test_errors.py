@@ -146,9 +146,12 @@ def mismatch(rank, world):
            comm.all_reduce, torch.ones(numel))
     comm.close()
     # Without debug mode a size mismatch must stay inside the buffers (wrong
-    # numbers, never out of bounds), and every rank returns.
+    # numbers, never out of bounds), and every rank returns. (The algorithm is
+    # named: "auto" may pick different ones for the two sizes, and then the
+    # ranks wait for each other at different barriers until the deadline.)
     comm = make_comm()
-    comm.all_reduce(torch.ones(16384 if rank == 0 else 1))
+    for algo in ("one_shot", "two_shot"):
+        comm.all_reduce(torch.ones(16384 if rank == 0 else 1), algo=algo)
     comm.close()
 
 

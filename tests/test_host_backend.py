@@ -73,6 +73,30 @@ def test_exact_sums_eight_ranks():
     run_ranks(check_exact_sums_small, 8, timeout=240)
 
 
+HOST_ROUND_BYTES = 256 << 10  # csrc/cpu/all_reduce.cpp's kRoundBytes: larger messages run in rounds
+
+
+def check_several_rounds(rank, world):
+    """Messages of several protocol rounds, with partial last rounds, in one call."""
+    with make_comm(max_bytes=4 * HOST_ROUND_BYTES) as comm:
+        for dtype in (torch.float32, torch.bfloat16):
+            elem = torch.empty((), dtype=dtype).element_size()
+            per_round = HOST_ROUND_BYTES // elem
+            for numel in (per_round - 1, per_round + 1, 3 * per_round + 7):
+                for algo in ("one_shot", "two_shot"):
+                    want = exact_sum(numel, world, dtype, salt=numel)
+                    got = comm.all_reduce(exact_input(numel, rank, dtype, salt=numel), algo=algo)
+                    assert torch.equal(got, want), (dtype, numel, algo)
+                    y = exact_input(numel, rank, dtype, salt=numel)
+                    assert torch.equal(comm.all_reduce_(y, algo=algo, op="avg"),
+                                       (want.float() / world).to(dtype)), (dtype, numel, algo)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_of_several_rounds(world):
+    run_ranks(check_several_rounds, world, timeout=240)
+
+
 def average_and_random(rank, world):
     results = []
     with make_comm() as comm:

@@ -54,3 +54,32 @@ def compiled(rank, world, backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(backend):
     run_ranks(compiled, 2, backend, timeout=400)
+
+
+def seen_by_dispatch_modes(rank, world):
+    """Eager calls skip the dispatcher (Communicator._direct); a dispatch mode
+    (here a recording one; FakeTensorMode and make_fx are others) must still
+    see the op, and the result must be the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    comm = make_comm()
+    x = exact_input(300, rank, torch.float32)
+    with Recorder() as rec:
+        y = comm.all_reduce(x)
+        comm.all_reduce_(x)
+    assert "pyallreduce.all_reduce_out.default" in rec.ops and "pyallreduce.all_reduce_.default" in rec.ops, rec.ops
+    assert torch.equal(y, exact_sum(300, world, torch.float32)) and torch.equal(x, y)
+    comm.close()
+
+
+def test_dispatch_modes_see_the_op():
+    run_ranks(seen_by_dispatch_modes, 2, timeout=120)

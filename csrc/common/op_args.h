@@ -28,6 +28,10 @@ namespace pyallreduce {
 void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
                     int64_t algo, bool average);
 
+// The same Impls by device type, for the eager entry point that skips the
+// dispatcher (pyallreduce._C.try_all_reduce_eager; see csrc/module.cpp).
+bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl);
+
 // The three op entry points (schemas in csrc/module.cpp) over one backend's Impl.
 template <AllReduceImpl Impl>
 struct OpEntryPoints {
@@ -47,8 +51,11 @@ struct OpEntryPoints {
 
 }  // namespace pyallreduce
 
-// Registers a backend's Impl for the dispatch key KEY (CPU or CUDA).
+// Registers a backend's Impl for the dispatch key KEY (CPU or CUDA) and for the
+// eager entry point on that device type.
 #define PYALLREDUCE_REGISTER_BACKEND(KEY, IMPL)                                   \
+  static const bool pyallreduce_eager_##KEY =                                     \
+      ::pyallreduce::register_eager_impl(c10::DeviceType::KEY, IMPL);            \
   TORCH_LIBRARY_IMPL(pyallreduce, KEY, m) {                                       \
     using Entry = ::pyallreduce::OpEntryPoints<IMPL>;                             \
     m.impl("all_reduce", &Entry::all_reduce);                                     \

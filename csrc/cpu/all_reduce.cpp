@@ -20,10 +20,13 @@ namespace pyallreduce {
 namespace {
 
 constexpr int kBlock = 0;                  // the host backend runs one block per rank
-constexpr int64_t kChunkBytes = 4096;      // two-shot ownership unit (chunk_owner_rank)
+constexpr int64_t kSliceAlignBytes = 64;   // two-shot slice boundaries: one writer per cache line
 constexpr int64_t kTileElems = 512;        // fp32 accumulator tile, stays in L1
 constexpr int64_t kParallelGrainBytes = 256 << 10;
-constexpr int kSpinsBeforeYield = 1024;    // then yield: 8 ranks on 2 cores must progress
+constexpr int64_t kRoundBytes = 256 << 10;  // see host_all_reduce; a multiple of every element size
+// Then yield: with more ranks than cores the rank we wait for needs our core.
+// ~5 us of pause on recent x86; a yield with nothing else to run costs ~0.3 us.
+constexpr int kSpinsBeforeYield = 128;
 constexpr int kSpinsPerClockCheck = 256;
 
 uint32_t* flags(char* region, int64_t offset) {
@@ -88,11 +91,14 @@ void barrier(const Context& ctx, int64_t flags_offset, uint32_t e, const char* w
   }
 }
 
-// dst[i] = cast(sum over q in order 0..W-1 of float(src[q][i])) (/ W), i in [0, n).
-// Fixed order and fp32 accumulation make every rank's bits identical. The loops
-// are plain so the compiler vectorises each target clone (AVX-512, AVX2, SSE2).
+// dst[i] = cast(sum over q in order 0..W-1 of float(src[q][i])) (/ W), i in [0, n),
+// also stored to dst2 unless it is null. Fixed order and fp32 accumulation make
+// every rank's bits identical. The loops are plain so the compiler vectorises
+// them; always_inline puts them inside each target clone below (AVX-512, AVX2,
+// SSE2) instead of one out-of-line SSE2 copy.
 template <typename T>
-inline void reduce_tiles(const T* const* src, int world, T* dst, int64_t n, bool average) {
+[[gnu::always_inline]] inline void reduce_tiles(const T* const* src, int world, T* dst, T* dst2,
+                                                int64_t n, bool average) {
   float acc[kTileElems];
   for (int64_t base = 0; base < n; base += kTileElems) {
     const int64_t len = std::min(kTileElems, n - base);
@@ -108,6 +114,7 @@ inline void reduce_tiles(const T* const* src, int world, T* dst, int64_t n, bool
     }
     T* d = dst + base;
     for (int64_t i = 0; i < len; ++i) d[i] = static_cast<T>(acc[i]);
+    if (dst2 != nullptr) std::memcpy(dst2 + base, d, len * sizeof(T));
   }
 }
 
@@ -130,35 +137,38 @@ struct Bf16 {
 };
 
 #define PYALLREDUCE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-PYALLREDUCE_CLONES void reduce_f32(const float* const* s, int w, float* d, int64_t n, bool avg) {
-  reduce_tiles(s, w, d, n, avg);
+PYALLREDUCE_CLONES void reduce_f32(const float* const* s, int w, float* d, float* d2, int64_t n, bool avg) {
+  reduce_tiles(s, w, d, d2, n, avg);
 }
-PYALLREDUCE_CLONES void reduce_f16(const _Float16* const* s, int w, _Float16* d, int64_t n, bool avg) {
-  reduce_tiles(s, w, d, n, avg);
+PYALLREDUCE_CLONES void reduce_f16(const _Float16* const* s, int w, _Float16* d, _Float16* d2, int64_t n,
+                                   bool avg) {
+  reduce_tiles(s, w, d, d2, n, avg);
 }
-PYALLREDUCE_CLONES void reduce_bf16(const Bf16* const* s, int w, Bf16* d, int64_t n, bool avg) {
-  reduce_tiles(s, w, d, n, avg);
+PYALLREDUCE_CLONES void reduce_bf16(const Bf16* const* s, int w, Bf16* d, Bf16* d2, int64_t n, bool avg) {
+  reduce_tiles(s, w, d, d2, n, avg);
 }
 #undef PYALLREDUCE_CLONES
 
-// Reduces bytes [begin, end) of every rank's staging buffer into dst + begin.
-void reduce_range(at::ScalarType dtype, char* const* srcs, int world, char* dst, int64_t begin,
-                  int64_t end, bool average) {
+// Reduces bytes [begin, end) of every rank's staging buffer into dst + begin
+// (and dst2 + begin unless dst2 is null).
+void reduce_range(at::ScalarType dtype, char* const* srcs, int world, char* dst, char* dst2,
+                  int64_t begin, int64_t end, bool average) {
   const int64_t elem = at::elementSize(dtype);
   const int64_t n = (end - begin) / elem;
   const char* s[kMaxRanks];
   for (int q = 0; q < world; ++q) s[q] = srcs[q] + begin;
   dst += begin;
+  if (dst2 != nullptr) dst2 += begin;
   switch (dtype) {
     case at::kFloat:
-      return reduce_f32(reinterpret_cast<const float* const*>(s), world,
-                        reinterpret_cast<float*>(dst), n, average);
+      return reduce_f32(reinterpret_cast<const float* const*>(s), world, reinterpret_cast<float*>(dst),
+                        reinterpret_cast<float*>(dst2), n, average);
     case at::kHalf:
       return reduce_f16(reinterpret_cast<const _Float16* const*>(s), world,
-                        reinterpret_cast<_Float16*>(dst), n, average);
+                        reinterpret_cast<_Float16*>(dst), reinterpret_cast<_Float16*>(dst2), n, average);
     case at::kBFloat16:
-      return reduce_bf16(reinterpret_cast<const Bf16* const*>(s), world,
-                         reinterpret_cast<Bf16*>(dst), n, average);
+      return reduce_bf16(reinterpret_cast<const Bf16* const*>(s), world, reinterpret_cast<Bf16*>(dst),
+                         reinterpret_cast<Bf16*>(dst2), n, average);
     default:
       TORCH_CHECK(false, "pyallreduce: unsupported dtype ", dtype);
   }
@@ -170,10 +180,10 @@ void parallel_copy(char* dst, const char* src, int64_t bytes) {
   });
 }
 
-void host_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
-                     bool average) {
-  const int64_t bytes = input.nbytes();
-  const int64_t elem = input.element_size();
+// One protocol round (one epoch) over bytes [0, bytes) of src into dst.
+void all_reduce_round(Context& ctx, at::ScalarType dtype, const char* src, char* dst, int64_t bytes,
+                      int64_t algo, bool average) {
+  const int64_t elem = at::elementSize(dtype);
   const int world = ctx.world_size;
   uint32_t* epoch = flags(ctx.own_region(), kEpochOffset) + kBlock;
   const uint32_t e = ++*epoch;
@@ -181,35 +191,50 @@ void host_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   char* bufs[kMaxRanks];
   for (int q = 0; q < world; ++q) bufs[q] = ctx.regions[q] + staging;
   char* own = bufs[ctx.rank];
-  char* dst = static_cast<char*>(out.data_ptr());
 
-  parallel_copy(own, static_cast<const char*>(input.data_ptr()), bytes);
+  parallel_copy(own, src, bytes);
   barrier(ctx, kStartFlagsOffset, e, "start");
 
   if (algo == kOneShot) {
     at::parallel_for(0, bytes / elem, kParallelGrainBytes / elem, [&](int64_t b, int64_t end) {
-      reduce_range(input.scalar_type(), bufs, world, dst, b * elem, end * elem, average);
+      reduce_range(dtype, bufs, world, dst, nullptr, b * elem, end * elem, average);
     });
     return;
   }
-  // Two-shot: chunk c is reduced by rank c % W into its own staging buffer, then
-  // every rank gathers each chunk from its owner.
-  const int64_t nchunks = (bytes + kChunkBytes - 1) / kChunkBytes;
-  auto chunk_end = [&](int64_t c) { return std::min(bytes, (c + 1) * kChunkBytes); };
-  const int64_t mine = (nchunks - ctx.rank + world - 1) / world;  // chunks rank, rank+W, ...
-  at::parallel_for(0, mine, kParallelGrainBytes / kChunkBytes, [&](int64_t b, int64_t end) {
-    for (int64_t k = b; k < end; ++k) {
-      const int64_t c = ctx.rank + k * world;
-      reduce_range(input.scalar_type(), bufs, world, own, c * kChunkBytes, chunk_end(c), average);
-    }
+  // Two-shot: rank q reduces slice q (contiguous, so the hardware prefetchers
+  // stream it) from every rank's buffer into both its own buffer and out; after
+  // the mid barrier every rank copies the other slices from their owners. With
+  // one block per rank, any split the ranks agree on within a call is sound
+  // (protocol.h: a buffer is rewritten only two calls later).
+  const int64_t slice = (bytes + world - 1) / world;
+  const int64_t slice_bytes = (slice + kSliceAlignBytes - 1) / kSliceAlignBytes * kSliceAlignBytes;
+  auto slice_begin = [&](int q) { return std::min(bytes, q * slice_bytes); };
+  auto for_slice = [&](int q, auto&& body) {  // body(begin, end) over the intra-op threads
+    at::parallel_for(slice_begin(q) / elem, slice_begin(q + 1) / elem, kParallelGrainBytes / elem,
+                     [&](int64_t b, int64_t end) { body(b * elem, end * elem); });
+  };
+  for_slice(ctx.rank, [&](int64_t b, int64_t end) {
+    reduce_range(dtype, bufs, world, dst, own, b, end, average);
   });
   barrier(ctx, kMidFlagsOffset, e, "mid");
-  at::parallel_for(0, nchunks, kParallelGrainBytes / kChunkBytes, [&](int64_t b, int64_t end) {
-    for (int64_t c = b; c < end; ++c) {
-      const char* from = bufs[chunk_owner_rank(c, 1, world)];
-      std::memcpy(dst + c * kChunkBytes, from + c * kChunkBytes, chunk_end(c) - c * kChunkBytes);
-    }
-  });
+  for (int i = 1; i < world; ++i) {
+    const int q = (ctx.rank + i) % world;  // ranks start on different owners
+    for_slice(q, [&](int64_t b, int64_t end) { std::memcpy(dst + b, bufs[q] + b, end - b); });
+  }
+}
+
+// Large messages go in rounds of kRoundBytes: each round's staging copy is still
+// in cache when the peers read it, where one round over the whole message would
+// have evicted its start by then (L2 is a few MiB). Costs one barrier per round.
+void host_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
+                     bool average) {
+  const int64_t bytes = input.nbytes();
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t done = 0; done < bytes; done += kRoundBytes) {
+    all_reduce_round(ctx, input.scalar_type(), src + done, dst + done, std::min(kRoundBytes, bytes - done),
+                     algo, average);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,73 @@
+"""What the bench scripts share: running a script once per local rank when it is
+not under torchrun, and joining the process group on CPU (gloo) or CUDA (NCCL)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun():
+    return "RANK" in os.environ
+
+
+def core_sets(nproc):
+    """The cores each rank is bound to: an equal share of this process's cores
+    each, or None (no binding) when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // nproc
+    if share == 0:
+        return None
+    return [set(cores[r * share:(r + 1) * share]) for r in range(nproc)]
+
+
+def spawn_ranks(script, nproc, bind_cores=False):
+    """Runs `script` with this process's arguments once per rank, with torchrun's
+    environment; returns the worst exit code. A rank that fails takes the others
+    down with it, so a run never waits on ranks blocked in a collective.
+    bind_cores: pin the ranks to disjoint cores (core_sets), as a CPU job
+    would be run for speed; two spinning ranks sharing a core measure the
+    scheduler, not the all-reduce."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    binding = core_sets(nproc) if bind_cores else None
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", threads)
+        pin = (lambda cores=binding[rank]: os.sched_setaffinity(0, cores)) if binding else None
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *sys.argv[1:]], env=env,
+                                      preexec_fn=pin))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
+
+
+def init_group(device_type):
+    """Joins the default process group; returns this rank's device."""
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
