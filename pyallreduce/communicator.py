@@ -326,11 +326,10 @@ class Communicator:
             dst = torch.empty_like(src)
         elif type(dst) is not torch.Tensor:
             return None
+        if not _C.try_all_reduce_eager(src, dst, self._handle, algo_id, average):
+            return None
         self._calls += 1
-        if _C.try_all_reduce_eager(src, dst, self._handle, algo_id, average):
-            return dst
-        self._calls -= 1
-        return None
+        return dst
 
     def _check_tensor(self, tensor, name):
         if self._closed:

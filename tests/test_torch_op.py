@@ -78,8 +78,15 @@ def seen_by_dispatch_modes(rank, world):
         comm.all_reduce_(x)
     assert "pyallreduce.all_reduce_out.default" in rec.ops and "pyallreduce.all_reduce_.default" in rec.ops, rec.ops
     assert torch.equal(y, exact_sum(300, world, torch.float32)) and torch.equal(x, y)
+    # The profiler is no dispatch mode: eager calls take the direct path and must
+    # still show up under the op's names.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comm.all_reduce(x)
+        comm.all_reduce_(x)
+    names = {e.name for e in prof.events()}
+    assert {"pyallreduce::all_reduce_out", "pyallreduce::all_reduce_"} <= names, sorted(names)
     comm.close()
 
 
-def test_dispatch_modes_see_the_op():
+def test_dispatch_modes_and_the_profiler_see_the_op():
     run_ranks(seen_by_dispatch_modes, 2, timeout=120)

@@ -28,12 +28,12 @@
 // after finishing call e (the last reader of that buffer).
 //
 // That argument is per block, so on every rank, in every call and in both
-// algorithms, a given element must be touched by the same block. (The host
-// backend runs one block per rank, so there any split the ranks agree on
-// within a call is sound; it uses contiguous slices, csrc/cpu/all_reduce.cpp.) Elements are
+// algorithms, a given element must be touched by the same block. Elements are
 // grouped in chunks of a width fixed by the backend (threads-per-block x one
 // 16-byte vector on GPU); chunk c belongs to block c % nblocks, with nblocks
-// fixed for the communicator's life. See chunk_owner_rank().
+// fixed for the communicator's life. See chunk_owner_rank(). (The host backend
+// runs one block per rank, so there any split the ranks agree on within a call
+// is sound; it uses contiguous slices, see csrc/cpu/all_reduce.cpp.)
 #pragma once
 
 #include <cstdint>
