@@ -140,14 +140,103 @@ struct Bf16 {
 PYALLREDUCE_CLONES void reduce_f32(const float* const* s, int w, float* d, float* d2, int64_t n, bool avg) {
   reduce_tiles(s, w, d, d2, n, avg);
 }
-PYALLREDUCE_CLONES void reduce_f16(const _Float16* const* s, int w, _Float16* d, _Float16* d2, int64_t n,
-                                   bool avg) {
-  reduce_tiles(s, w, d, d2, n, avg);
-}
-PYALLREDUCE_CLONES void reduce_bf16(const Bf16* const* s, int w, Bf16* d, Bf16* d2, int64_t n, bool avg) {
-  reduce_tiles(s, w, d, d2, n, avg);
-}
 #undef PYALLREDUCE_CLONES
+
+// bf16 and fp16 without AVX2 (and F16C): plain conversions.
+void reduce_bf16_generic(const Bf16* const* s, int w, Bf16* d, Bf16* d2, int64_t n, bool avg) {
+  reduce_tiles(s, w, d, d2, n, avg);
+}
+void reduce_f16_generic(const _Float16* const* s, int w, _Float16* d, _Float16* d2, int64_t n, bool avg) {
+  reduce_tiles(s, w, d, d2, n, avg);
+}
+
+// fp16 with F16C, 8 lanes at a time. GCC 12 does not vectorise _Float16
+// conversions itself: it emits one scalar vcvtph2ps per element, which made
+// fp16 ~20x slower per byte than fp32. Same order, fp32 adds, division and
+// round-to-nearest-even as reduce_tiles, so the bits are the same.
+__attribute__((target("avx2,f16c"))) void reduce_f16_f16c(const uint16_t* const* s, int w, uint16_t* d,
+                                                            uint16_t* d2, int64_t n, bool avg) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 wv = _mm256_set1_ps(static_cast<float>(w));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s[0] + i)));
+    for (int q = 1; q < w; ++q) {
+      acc = _mm256_add_ps(acc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s[q] + i))));
+    }
+    if (avg) acc = _mm256_div_ps(acc, wv);
+    const __m128i h = _mm256_cvtps_ph(acc, kRound);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
+    if (d2 != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(d2 + i), h);
+  }
+  for (; i < n; ++i) {
+    float acc = _cvtsh_ss(s[0][i]);
+    for (int q = 1; q < w; ++q) acc += _cvtsh_ss(s[q][i]);
+    if (avg) acc /= static_cast<float>(w);
+    d[i] = _cvtss_sh(acc, kRound);
+    if (d2 != nullptr) d2[i] = d[i];
+  }
+}
+
+// bf16 with AVX2, 8 lanes at a time: what the compiler made of Bf16's
+// conversions ran at under half of fp32's speed per byte. Bit for bit the same
+// as Bf16: widen by a 16-bit shift; narrow with round-to-nearest-even, NaN -> 0x7FC0.
+__attribute__((target("avx2"))) inline __m256 widen_bf16(const uint16_t* p) {
+  const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+}
+
+__attribute__((target("avx2"))) void reduce_bf16_avx2(const uint16_t* const* s, int w, uint16_t* d,
+                                                       uint16_t* d2, int64_t n, bool avg) {
+  const __m256 wv = _mm256_set1_ps(static_cast<float>(w));
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i quiet_nan = _mm256_set1_epi32(0x7FC0);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc = widen_bf16(s[0] + i);
+    for (int q = 1; q < w; ++q) acc = _mm256_add_ps(acc, widen_bf16(s[q] + i));
+    if (avg) acc = _mm256_div_ps(acc, wv);
+    const __m256i u = _mm256_castps_si256(acc);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
+    r = _mm256_blendv_epi8(r, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)));
+    // 32 -> 16 bits: values are <= 0xFFFF, so the saturating pack is exact; it
+    // packs within 128-bit lanes, and the permute brings lanes 0..7 together.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b1000);
+    const __m128i h = _mm256_castsi256_si128(packed);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
+    if (d2 != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(d2 + i), h);
+  }
+  if (i < n) {
+    const Bf16* const* sb = reinterpret_cast<const Bf16* const*>(s);
+    const Bf16* tail[kMaxRanks];
+    for (int q = 0; q < w; ++q) tail[q] = sb[q] + i;
+    reduce_tiles(tail, w, reinterpret_cast<Bf16*>(d) + i, d2 ? reinterpret_cast<Bf16*>(d2) + i : nullptr,
+                 n - i, avg);
+  }
+}
+
+void reduce_bf16(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    reduce_bf16_avx2(reinterpret_cast<const uint16_t* const*>(s), w, reinterpret_cast<uint16_t*>(d),
+                     reinterpret_cast<uint16_t*>(d2), n, avg);
+  } else {
+    reduce_bf16_generic(reinterpret_cast<const Bf16* const*>(s), w, reinterpret_cast<Bf16*>(d),
+                        reinterpret_cast<Bf16*>(d2), n, avg);
+  }
+}
+
+void reduce_f16(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) {
+    reduce_f16_f16c(reinterpret_cast<const uint16_t* const*>(s), w, reinterpret_cast<uint16_t*>(d),
+                    reinterpret_cast<uint16_t*>(d2), n, avg);
+  } else {
+    reduce_f16_generic(reinterpret_cast<const _Float16* const*>(s), w, reinterpret_cast<_Float16*>(d),
+                       reinterpret_cast<_Float16*>(d2), n, avg);
+  }
+}
 
 // Reduces bytes [begin, end) of every rank's staging buffer into dst + begin
 // (and dst2 + begin unless dst2 is null).
@@ -164,11 +253,9 @@ void reduce_range(at::ScalarType dtype, char* const* srcs, int world, char* dst,
       return reduce_f32(reinterpret_cast<const float* const*>(s), world, reinterpret_cast<float*>(dst),
                         reinterpret_cast<float*>(dst2), n, average);
     case at::kHalf:
-      return reduce_f16(reinterpret_cast<const _Float16* const*>(s), world,
-                        reinterpret_cast<_Float16*>(dst), reinterpret_cast<_Float16*>(dst2), n, average);
+      return reduce_f16(s, world, dst, dst2, n, average);
     case at::kBFloat16:
-      return reduce_bf16(reinterpret_cast<const Bf16* const*>(s), world, reinterpret_cast<Bf16*>(dst),
-                         reinterpret_cast<Bf16*>(dst2), n, average);
+      return reduce_bf16(s, world, dst, dst2, n, average);
     default:
       TORCH_CHECK(false, "pyallreduce: unsupported dtype ", dtype);
   }
