@@ -28,8 +28,9 @@ def core_sets(nproc):
 
 def spawn_ranks(script, nproc, bind_cores=False):
     """Runs `script` with this process's arguments once per rank, with torchrun's
-    environment; returns the worst exit code. A rank that fails takes the others
-    down with it, so a run never waits on ranks blocked in a collective.
+    environment; returns 0, or the exit code of the first rank seen failing. A
+    rank that fails takes the others down with it, so a run never waits on
+    ranks blocked in a collective.
     bind_cores: pin the ranks to disjoint cores (core_sets), as a CPU job
     would be run for speed; two spinning ranks sharing a core measure the
     scheduler, not the all-reduce."""
@@ -46,18 +47,21 @@ def spawn_ranks(script, nproc, bind_cores=False):
         pin = (lambda cores=binding[rank]: os.sched_setaffinity(0, cores)) if binding else None
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *sys.argv[1:]], env=env,
                                       preexec_fn=pin))
+    failed = 0
     try:
         while True:
             codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+            failed = next((c for c in codes if c not in (None, 0)), 0)
+            if failed or all(c == 0 for c in codes):
                 break
             time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
+        for p in procs:
+            p.wait()
+    return failed  # the failing rank's code, not the SIGKILL of the ranks stopped after it
 
 
 def init_group(device_type):

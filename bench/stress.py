@@ -122,24 +122,37 @@ def expected(call, world, device):
     return acc.to(dtype).to(device)
 
 
+GUARD = 99  # the storage around an offset view: must be left alone
+
+
+def guarded(n, like):
+    """A view of n elements in the middle of a larger storage filled with GUARD,
+    and a check that nothing outside the view was written."""
+    storage = torch.full((n + 5,), GUARD, dtype=like.dtype, device=like.device)
+    view = storage[3:3 + n]
+    return view, lambda: bool((storage[:3] == GUARD).all() and (storage[3 + n:] == GUARD).all())
+
+
 def shaped(flat, layout):
-    """The same elements in the layout under test, and the way back to flat order."""
+    """The same elements in the layout under test, the way back to flat order, and
+    a check that the layout's surroundings are intact."""
     n = flat.numel()
     if layout == "transposed" and n % 2 == 0 and n > 0:
         t = flat.view(2, n // 2).t()  # non-contiguous
-        return t, lambda r: r.t().reshape(-1)
+        return t, lambda r: r.t().reshape(-1), lambda: True
     if layout == "offset_view":
-        storage = torch.full((n + 5,), 99, dtype=flat.dtype, device=flat.device)
-        storage[3:3 + n] = flat
-        return storage[3:3 + n], lambda r: r.reshape(-1)
+        view, intact = guarded(n, flat)
+        view.copy_(flat)
+        return view, lambda r: r.reshape(-1), intact
     if layout == "scalar" and n > 0:
-        return flat[0].clone().reshape(()), lambda r: r.reshape(1)
-    return flat, lambda r: r.reshape(-1)
+        return flat[0].clone().reshape(()), lambda r: r.reshape(1), lambda: True
+    return flat, lambda r: r.reshape(-1), lambda: True
 
 
 def run_call(comm, call, rank, world, device):
     """Runs one call; returns None if it was right, else what went wrong."""
-    x, to_flat = shaped(flat_input(call, rank, device), call["layout"])
+    x, to_flat, input_intact = shaped(flat_input(call, rank, device), call["layout"])
+    out_intact = lambda: True  # noqa: E731
     want = expected(call, world, device)
     if call["layout"] == "scalar" and call["numel"] > 0:
         want = want[:1]
@@ -149,13 +162,19 @@ def run_call(comm, call, rank, world, device):
         if got is not x:
             return "all_reduce_ did not return its argument"
     elif call["style"] == "out":
-        out = torch.full_like(x, 77)
+        if call["layout"] == "offset_view":
+            out, out_intact = guarded(x.numel(), x)
+        else:
+            out = torch.empty_like(x)
+        out.fill_(77)
         got = comm.all_reduce(x, out=out, **kw)
         if got is not out:
             return "all_reduce(out=) did not return out"
     else:
         got = comm.all_reduce(x, **kw)
         x.fill_(-3)  # the caller may reuse its input at once
+    if not (input_intact() and out_intact()):
+        return "wrote outside the tensor's view"
     if got.shape != x.shape or got.dtype != x.dtype:
         return f"result has shape {tuple(got.shape)} {got.dtype}, input {tuple(x.shape)} {x.dtype}"
     flat = to_flat(got)

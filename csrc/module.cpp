@@ -3,7 +3,11 @@
 // their own files (csrc/cpu, csrc/cuda).
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <array>
 #include <map>
@@ -96,6 +100,12 @@ std::string collective_args_problem(const Context& ctx, const at::Tensor& input,
     return c10::str("pyallreduce: tensor on ", input.device(), " but the communicator's memory is on ",
                     ctx.is_cuda ? "cuda:" + std::to_string(ctx.device) : std::string("cpu"));
   }
+  const auto overlap = at::get_overlap_status(input, out);
+  if (overlap == at::MemOverlapStatus::Partial || overlap == at::MemOverlapStatus::TooHard) {
+    // Large messages are reduced in rounds, so out would overwrite input not yet copied in.
+    // (Full overlap, the same memory, is an in-place call.)
+    return "pyallreduce: out overlaps the input; pass the same tensor (all_reduce_) or a separate one";
+  }
   if (input.nbytes() > static_cast<size_t>(ctx.max_bytes)) {
     return c10::str("pyallreduce: ", input.nbytes(), " bytes exceed the staging buffer (max_bytes=",
                     ctx.max_bytes, "); Communicator.all_reduce chunks large tensors");
@@ -151,6 +161,17 @@ bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl) {
 // collective_args_problem); Communicator's general path then handles them.
 bool try_all_reduce_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo,
                           bool average) {
+  // Whatever must see the op: dispatch modes, torch function modes, the JIT
+  // tracer, and wrapper tensors (functorch's vmap/grad, functionalization,
+  // Python subclasses), whose data is not theirs to hand to a kernel.
+  static const c10::DispatchKeySet kWrappers{c10::DispatchKey::FuncTorchBatched,
+                                             c10::DispatchKey::FuncTorchGradWrapper,
+                                             c10::DispatchKey::Functionalize, c10::DispatchKey::Python};
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled() ||
+      torch::jit::tracer::isTracing() || (input.key_set() | out.key_set()).has_any(kWrappers) ||
+      !input.has_storage() || !out.has_storage()) {
+    return false;
+  }
   std::shared_ptr<Context> held = get_context(handle);
   AllReduceImpl impl = eager_impls[static_cast<size_t>(input.device().type())];
   if (impl == nullptr || input.numel() == 0 || out.sizes() != input.sizes() ||

@@ -309,7 +309,7 @@ class Communicator:
         max_bytes). Returns the result (dst, or a new tensor when dst is None),
         or None having done nothing; the general path then checks and handles
         the call."""
-        if self._handle is None or self.debug or not _eager(src):  # _eager first: torch.compile stops here
+        if self._handle is None or self.debug or not _eager(src):  # torch.compile stops here
             return None
         average = _DIRECT_OPS.get(op)
         if average is None or src.dtype not in _DIRECT_DTYPES:
@@ -434,15 +434,11 @@ class Communicator:
 
 
 def _eager(tensor):
-    """Whether to call the kernels directly rather than through the torch op (a
-    microsecond less per call): only for plain tensors in plain eager mode, where
-    nothing needs to see the op. torch.compile and export trace the op; dispatch
-    modes (FakeTensorMode, make_fx, profiling modes) intercept it."""
-    return (not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
-            and _dispatch_mode_depth() == 0)
-
-
-_dispatch_mode_depth = torch._C._len_torch_dispatch_stack
+    """Whether the kernels may be called directly rather than through the torch op
+    (a microsecond less per call): plain tensors outside torch.compile/export,
+    which trace the op. The C++ side (try_all_reduce_eager) declines under
+    dispatch modes, torch function modes, the JIT tracer and functorch wrappers."""
+    return not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
 
 
 def _data(tensor):

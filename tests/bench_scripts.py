@@ -2,6 +2,8 @@
 and the environment in which a script spawns its own ranks."""
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,3 +27,23 @@ def clean_env():
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def run_script(cmd, timeout):
+    """Runs a bench script in its own process group; on timeout kills the whole
+    group (the ranks it spawned too, which would otherwise outlive the test) and
+    fails the test with the output so far."""
+    import pytest
+
+    proc = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {timeout} s:\n{stdout}\n{stderr}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

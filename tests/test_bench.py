@@ -23,13 +23,6 @@ ROW = {"backend", "size", "count", "type", "redop", "algo", "out_of_place", "in_
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def run(cmd, env):
-    try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
-
-
 def test_cpu_run_json_and_crossovers(tmp_path):
     table = tmp_path / "crossovers.json"
     shutil.copy(policy.CROSSOVERS_FILE, table)
@@ -38,7 +31,7 @@ def test_cpu_run_json_and_crossovers(tmp_path):
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--nproc", "2", "--sizes", "4K:256K", "--factor", "8",
            "--dtypes", "float32,bfloat16", "--ops", "sum,avg", "--iters", "3", "--warmup", "1",
            "--json", str(out), "--write-crossovers", "--crossovers-file", str(table)]
-    proc = run(cmd, clean_env())
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "#wrong" in proc.stdout and "memcpy" in proc.stdout
 

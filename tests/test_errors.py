@@ -40,6 +40,9 @@ def bad_input(rank, world):
     expect(ValueError, "op must be 'sum' or 'avg', got 'max'", comm.all_reduce, x, op="max")
     expect(ValueError, "algo must be 'auto', 'one_shot' or 'two_shot', got 'ring'", comm.all_reduce, x, algo="ring")
     expect(ValueError, "algo must be", comm.all_reduce, torch.ones(2, dtype=torch.int64), algo="ring")
+    # out overlapping the input (large messages go in rounds: it would read what it wrote).
+    buf = torch.ones(16)
+    expect(RuntimeError, "out overlaps the input", comm.all_reduce, buf[:8], out=buf[4:12])
     # Nothing above moved data: the communicator still works.
     assert torch.equal(comm.all_reduce(x), torch.full((8,), float(world)))
     # Direct op calls are checked too: never out of bounds.

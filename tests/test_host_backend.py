@@ -203,6 +203,38 @@ def special_values(rank, world):
         torch.testing.assert_close(comm.all_reduce(x), ref, rtol=0, atol=0, equal_nan=True)
 
 
+def special_values_in_every_lane(rank, world):
+    """NaN, Inf, Inf - Inf and fp16 overflow in the vector lanes and the scalar
+    tail of the fp16/bf16/fp32 kernels (8-lane blocks, then a tail): values equal
+    to the definition (fp32 sum in rank order, / W, one cast), and a NaN input
+    gives the same NaN bits in a vector lane as in the tail."""
+    n = 8 * 5 + 3  # element 41 is in the tail of a one-shot call and of rank 1's two-shot slice
+
+    def make(q):
+        x = exact_input(n, q, torch.float32)
+        specials = {1: float("nan"), 9: float("inf"), 10: float("inf") if q == 0 else -float("inf"),
+                    17: 60000.0, 41: float("nan"), 42: 60000.0}
+        for i, v in specials.items():
+            x[i] = v
+        return x
+
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            inputs = [make(q).to(dtype) for q in range(world)]
+            for op in ("sum", "avg"):
+                for algo in ("one_shot", "two_shot"):
+                    got = comm.all_reduce(inputs[rank], op=op, algo=algo)
+                    want = fp32_reduction(inputs, op == "avg")
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
+                                               msg=lambda m: f"{dtype} {op} {algo}: {m}")
+                    bits = got.view(torch.int16 if dtype != torch.float32 else torch.int32)
+                    assert bits[1] == bits[41], (dtype, op, algo, bits[[1, 41]])  # a lane and the tail
+
+
+def test_special_values_in_vector_lanes_and_tails():
+    run_ranks(special_values_in_every_lane, 2, timeout=120)
+
+
 def test_nan_inf_and_fp16_overflow_match_nccl_semantics():
     run_ranks(special_values, 2, timeout=120)
 

@@ -3,14 +3,11 @@ sizes, dtypes, ops, algorithms, layouts and delays: no wrong result, no leaked
 segment, flat memory), and its checker, which must catch a wrong result."""
 import json
 import random
-import subprocess
 import sys
 
-import pytest
 import torch
 
 import bench_scripts
-from bench_scripts import clean_env
 
 STRESS = bench_scripts.BENCH_DIR / "stress.py"
 CALLS = 400
@@ -20,10 +17,7 @@ TIMEOUT_S = 240  # ~15 s unloaded; 4 ranks share 2 cores in CI
 def test_short_stress_run(tmp_path):
     out = tmp_path / "stress.json"
     cmd = [sys.executable, str(STRESS), "--nproc", "4", "--calls", str(CALLS), "--seed", "7", "--json", str(out)]
-    try:
-        proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"stress.py did not finish in {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     report = json.loads(out.read_text())
     assert report["world_size"] == 4 and report["backend"] == "cpu"

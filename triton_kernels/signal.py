@@ -138,10 +138,11 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
     while state == 0:
         # Read-modify-write of 0: an acquire load that works on both targets.
         seen = tl.atomic_add(flags, 0, mask=live, sem="acquire", scope="sys")
-        # "Reached", not "equal": a peer may already be one barrier ahead and
-        # have overwritten e with e + 1 (protocol.h, epoch_reached). Signed
-        # difference, so the 32-bit counters may wrap.
-        reached = ((seen - e) >= 0) | ~live
+        # "Reached" is seen - e in {0, 1} (protocol.h, epoch_reached): a peer may
+        # already be one barrier ahead and have overwritten e with e + 1, and a
+        # stale mid flag of any age must not count. The int32 difference wraps.
+        ahead = seen - e
+        reached = ((ahead == 0) | (ahead == 1)) | ~live
         arrived = tl.min(reached.to(tl.int32), axis=0) == 1
         state = tl.where(arrived, 1, tl.where(clock_ns() > deadline, 2, 0))
     if state == 2:

@@ -68,14 +68,17 @@ inline constexpr int64_t flag_index(int block, int rank) {
 }
 
 // Flags only ever move forward, and a peer can be at most one barrier ahead of
-// us (it cannot pass barrier e+1 before we arrived at it), so "reached" is a
-// wrap-around-safe >= rather than ==: a peer that already wrote e+1 over e has
-// necessarily arrived at e.
+// us (it cannot pass barrier e+1 before we arrived at it). So while we wait for
+// e, a peer's flag holds e or e+1 (arrived: e+1 was written over e) or an older
+// epoch (not there yet; a mid flag keeps the epoch of the last two-shot call,
+// however long ago). "Reached" is flag - e in {0, 1} modulo 2^32: wrap-safe, and
+// a stale flag of any age reads as not arrived (a signed "flag - e >= 0" would
+// accept a mid flag 2^31 epochs old: ~36 minutes of 1 us one-shot calls).
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
 inline bool epoch_reached(uint32_t flag, uint32_t epoch) {
-  return int32_t(flag - epoch) >= 0;
+  return uint32_t(flag - epoch) <= 1u;
 }
 
 // Two-shot ownership. Chunk c (a fixed number of elements, chosen by the
