@@ -26,7 +26,7 @@ import pyallreduce
 from pyallreduce import policy
 from pyallreduce.communicator import DEFAULT_MAX_BYTES
 
-from local_ranks import init_group, spawn_ranks, under_torchrun
+from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPS = ("sum", "avg")
@@ -89,9 +89,7 @@ def parse_args(argv=None):
                "compare it with our in-place time. Without torchrun (no RANK in the environment) "
                "the script starts --nproc ranks itself, with OMP_NUM_THREADS = cores/nproc unless set "
                "and, on CPU, each rank bound to its own share of the cores.")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="tensors' device (default: cuda if available, else cpu)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    add_launch_arguments(p, nproc=2)
     p.add_argument("--sizes", default="256:64M",
                    help="byte range MIN:MAX (or one size), K/M/G suffixes are powers of 1024 (default 256:64M)")
     p.add_argument("--factor", type=int, default=2, help="multiplier between sizes (default 2)")

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pyallreduce.ddp
 
-from local_ranks import init_group, spawn_ranks, under_torchrun
+from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 MODES = ("default", "pyallreduce")
 
@@ -34,16 +34,14 @@ MODES = ("default", "pyallreduce")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Step time: median over the timed steps of the slowest rank. Hook time: host time inside "
-               "the communication hook per step, mean over timed steps, slowest rank. For 'default' the "
-               "hook is a timing wrapper around torch's own allreduce_hook, whose collective runs on after "
-               "the hook returns, so its hook time is only the launch; so is pyallreduce's on CUDA (side "
-               "stream). On CPU pyallreduce reduces inside the hook. Without torchrun (no RANK in the "
-               "environment) the script starts --nproc ranks itself, with OMP_NUM_THREADS = cores/nproc "
-               "unless set.")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="training device (default: cuda if available, else cpu)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+        epilog="Step time: median over the timed steps of the slowest rank. Comm time: per step, mean "
+               "over timed steps, slowest rank, summed over the step's buckets. For 'default' (torch's "
+               "own allreduce_hook, whose collective runs after the hook returns) a bucket counts from "
+               "the hook call until its result is ready; for pyallreduce, the host time inside the hook, "
+               "which on CPU is the whole reduction and on CUDA only the launch (side stream). Without "
+               "torchrun (no RANK in the environment) the script starts --nproc ranks itself, with "
+               "OMP_NUM_THREADS = cores/nproc unless set.")
+    add_launch_arguments(p, nproc=2)
     p.add_argument("--steps", type=int, default=30, help="timed training steps per mode (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")

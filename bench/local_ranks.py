@@ -12,6 +12,16 @@ import torch.distributed as dist
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def add_launch_arguments(parser, *, nproc, device=None):
+    """--device and --nproc, as every bench script takes them. device: the
+    default, else CUDA where a GPU is visible and CPU otherwise."""
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=device or auto,
+                        help=f"device of the tensors (default: {device or 'cuda if available, else cpu'})")
+    parser.add_argument("--nproc", type=int, default=nproc,
+                        help=f"ranks to spawn when not under torchrun (default {nproc})")
+
+
 def under_torchrun():
     return "RANK" in os.environ
 

@@ -21,7 +21,6 @@ import ctypes.util
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -31,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 import pyallreduce
-from local_ranks import init_group, spawn_ranks, under_torchrun
+from pyallreduce.transport.host_shm import leaked_segments
+from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FALLBACK_DTYPES = (torch.float64, torch.int32)
@@ -47,16 +47,13 @@ try:
     LIBC.malloc_trim  # glibc only
 except (OSError, AttributeError, TypeError):
     LIBC = None
-# Our segments are /dev/shm/pyallreduce-<creator pid>-<random> (transport/host_shm.py).
-SEGMENT = re.compile(r"pyallreduce-(\d+)-")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
+    add_launch_arguments(p, nproc=4, device="cpu")
     p.add_argument("--calls", type=int, default=10_000)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda", "triton"))
     # The defaults reach both kinds of splitting: Communicator's chunks of max_bytes
     # and, above 256 KiB, the CPU backend's protocol rounds.
@@ -198,12 +195,6 @@ def resident_mib():
         LIBC.malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def leaked_segments():
-    """Our segments whose creating process is gone: nobody will ever unlink them."""
-    return sorted(n for n in os.listdir("/dev/shm")
-                  if (m := SEGMENT.match(n)) and not os.path.exists(f"/proc/{m.group(1)}"))
 
 
 def growth(samples):

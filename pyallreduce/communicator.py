@@ -19,7 +19,6 @@ logger = logging.getLogger("pyallreduce")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch.distributed's default too
 DEFAULT_MAX_BYTES = 32 << 20
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DIRECT_DTYPES = frozenset(SUPPORTED_DTYPES)
 BACKENDS = ("auto", "cuda", "triton", "cpu")
 ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 # Programs per rank for the Triton kernels on CPU, where the interpreter runs
@@ -47,7 +46,6 @@ def host_id():
 
 
 _AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
-_DIRECT_OPS = {"sum": False, "avg": True}  # what Communicator._direct takes; ReduceOp goes the long way
 
 
 def parse_op(op):
@@ -304,15 +302,18 @@ class Communicator:
 
     def _direct(self, src, dst, op, algo):
         """The common eager call, kept short: a plain tensor of a supported dtype,
-        op and algo given as strings, nothing tracing; the C++ side runs it if
+        a known op and algo, nothing tracing; the C++ side runs it if
         the tensors fit a kernel as they are (contiguous, on our device, within
         max_bytes). Returns the result (dst, or a new tensor when dst is None),
         or None having done nothing; the general path then checks and handles
         the call."""
         if self._handle is None or self.debug or not _eager(src):  # torch.compile stops here
             return None
-        average = _DIRECT_OPS.get(op)
-        if average is None or src.dtype not in _DIRECT_DTYPES:
+        try:
+            average = _AVERAGE[op]
+        except (KeyError, TypeError):  # parse_op on the general path says what is wrong
+            return None
+        if src.dtype not in SUPPORTED_DTYPES:
             return None
         if algo == "auto":
             nbytes = src.nbytes

@@ -254,26 +254,10 @@ def check_back_to_back(rank, world):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_eager_exact_every_size_dtype_algo(world):
-    run_ranks(check_eager, world, timeout=RUN_TIMEOUT)
+CHECKS = (check_eager, check_random_floats, check_graph, check_registered, check_back_to_back)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_random_floats_match_fp64_and_agree(world):
-    run_ranks(check_random_floats, world, timeout=RUN_TIMEOUT)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_cuda_graph_replays(world):
-    run_ranks(check_graph, world, timeout=RUN_TIMEOUT)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_registered_zero_copy(world):
-    run_ranks(check_registered, world, timeout=RUN_TIMEOUT)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_thousand_calls_back_to_back(world):
-    run_ranks(check_back_to_back, world, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+def test_on_one_gpu(check, world):
+    run_ranks(check, world, timeout=RUN_TIMEOUT)

@@ -136,6 +136,15 @@ struct Bf16 {
   }
 };
 
+// Elements [begin, n) with reduce_tiles: the scalar tail of the 8-lane kernels below.
+template <typename T>
+[[gnu::always_inline]] inline void reduce_tail(const T* const* src, int world, T* dst, T* dst2, int64_t begin,
+                                               int64_t n, bool average) {
+  const T* from[kMaxRanks];
+  for (int q = 0; q < world; ++q) from[q] = src[q] + begin;
+  reduce_tiles(from, world, dst + begin, dst2 != nullptr ? dst2 + begin : nullptr, n - begin, average);
+}
+
 #define PYALLREDUCE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 PYALLREDUCE_CLONES void reduce_f32(const float* const* s, int w, float* d, float* d2, int64_t n, bool avg) {
   reduce_tiles(s, w, d, d2, n, avg);
@@ -169,13 +178,8 @@ __attribute__((target("avx2,f16c"))) void reduce_f16_f16c(const uint16_t* const*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
     if (d2 != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(d2 + i), h);
   }
-  for (; i < n; ++i) {
-    float acc = _cvtsh_ss(s[0][i]);
-    for (int q = 1; q < w; ++q) acc += _cvtsh_ss(s[q][i]);
-    if (avg) acc /= static_cast<float>(w);
-    d[i] = _cvtss_sh(acc, kRound);
-    if (d2 != nullptr) d2[i] = d[i];
-  }
+  if (i < n) reduce_tail(reinterpret_cast<const _Float16* const*>(s), w, reinterpret_cast<_Float16*>(d),
+                        reinterpret_cast<_Float16*>(d2), i, n, avg);
 }
 
 // bf16 with AVX2, 8 lanes at a time: what the compiler made of Bf16's
@@ -207,13 +211,8 @@ __attribute__((target("avx2"))) void reduce_bf16_avx2(const uint16_t* const* s, 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
     if (d2 != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(d2 + i), h);
   }
-  if (i < n) {
-    const Bf16* const* sb = reinterpret_cast<const Bf16* const*>(s);
-    const Bf16* tail[kMaxRanks];
-    for (int q = 0; q < w; ++q) tail[q] = sb[q] + i;
-    reduce_tiles(tail, w, reinterpret_cast<Bf16*>(d) + i, d2 ? reinterpret_cast<Bf16*>(d2) + i : nullptr,
-                 n - i, avg);
-  }
+  if (i < n) reduce_tail(reinterpret_cast<const Bf16* const*>(s), w, reinterpret_cast<Bf16*>(d),
+                        reinterpret_cast<Bf16*>(d2), i, n, avg);
 }
 
 void reduce_bf16(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {

@@ -1,11 +1,23 @@
 """Host transport: one POSIX shared-memory segment per rank."""
 import os
+import re
 import secrets
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
+
+SEGMENT_PREFIX = "pyallreduce-"
+_SEGMENT = re.compile(SEGMENT_PREFIX + r"(\d+)-")  # pyallreduce-<creator pid>-<random>
+SHM_DIR = "/dev/shm"
+
+
+def leaked_segments():
+    """Our segments in /dev/shm whose creating process is gone: nobody will ever
+    unlink them. (A live creator's segment is a setup in progress.)"""
+    return sorted(n for n in os.listdir(SHM_DIR)
+                  if (m := _SEGMENT.match(n)) and not os.path.exists(f"/proc/{m.group(1)}"))
 
 
 class HostShmTransport:
@@ -24,7 +36,7 @@ class HostShmTransport:
         self.device = torch.device("cpu")
         self.region_bytes = _C.region_bytes(max_bytes)
         self.regions = []
-        name = f"/pyallreduce-{os.getpid()}-{secrets.token_hex(12)}"
+        name = f"/{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         own = _C.shm_create(name, self.region_bytes)  # zero-filled: flags and epochs start at 0
         names = [name]
         try:
