@@ -9,6 +9,7 @@ Every size first runs a correctness round with exact-sum inputs and zero
 tolerance (any wrong element makes the run exit non-zero), then the timed loops.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -202,9 +203,10 @@ def time_cpu(fn, iters, warmup):
     return [t * 1e6 for t in times]
 
 
-def time_cuda(fn, iters, warmup, graph_batch):
+def time_cuda(fn, iters, warmup, graph_batch, capture):
     """Per-iteration microseconds from CUDA events; with graph_batch, one
-    iteration replays a captured graph of graph_batch calls."""
+    iteration replays a captured graph of graph_batch calls, captured inside
+    capture() (comm.capture for ours: the replays then read inputs in place)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
@@ -214,7 +216,7 @@ def time_cuda(fn, iters, warmup, graph_batch):
     run, per_iter = fn, 1
     if graph_batch:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(), torch.cuda.graph(graph):
             for _ in range(graph_batch):
                 fn()
         graph.replay()  # first replay uploads the graph
@@ -235,11 +237,11 @@ class Timer:
     def __init__(self, args, device):
         self.args, self.device = args, device
 
-    def __call__(self, fn, nbytes):
+    def __call__(self, fn, nbytes, capture=contextlib.nullcontext):
         a = self.args
         if self.device.type == "cuda":
             batch = GRAPH_BATCH if nbytes <= a.graph_max_bytes else 0
-            times = time_cuda(fn, a.iters, a.warmup, batch)
+            times = time_cuda(fn, a.iters, a.warmup, batch, capture)
         else:
             times = time_cpu(fn, a.iters, a.warmup)
         return slowest_rank_stats(times, self.device)
@@ -355,9 +357,9 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         wrong = (count_wrong(out, want, ref_out) + count_wrong(inplace, want, ref_out)
                  + count_wrong(x, make_input(count, dtype, rank, device)))  # out-of-place keeps its input
 
-        oop = timer(lambda: comm.all_reduce(x, op=op, algo=algo, out=out), nbytes)
+        oop = timer(lambda: comm.all_reduce(x, op=op, algo=algo, out=out), nbytes, comm.capture)
         wrong += count_wrong(out, want)  # still right after many back-to-back (or replayed) calls
-        ip = timer(lambda: comm.all_reduce_(inplace, op=op, algo=algo), nbytes)
+        ip = timer(lambda: comm.all_reduce_(inplace, op=op, algo=algo), nbytes, comm.capture)
         wrong = sum_over_group(wrong, device)
         total_wrong += wrong
         rows.append({

@@ -25,6 +25,10 @@ ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 # them one after another: few keeps the per-call cost down.
 TRITON_CPU_NBLOCKS = 2
 CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
+# Graph-table entries per block (72 bytes of device memory each): one
+# comm.capture() can make at least half a block of captured calls zero copy.
+GRAPH_TABLE_BLOCK = 8192
+CAPTURE_ABORTED = "aborted"  # what a rank whose capture failed tells the others at exit
 HOSTNAME_ENV = "PYALLREDUCE_HOSTNAME"  # overrides the host identity (tests simulate several hosts)
 DEBUG_ENV = "PYALLREDUCE_DEBUG"
 
@@ -237,21 +241,109 @@ class Communicator:
 
     @contextlib.contextmanager
     def capture(self):
-        """Wrap torch.cuda.graph capture of all_reduce calls in this.
+        """Collective: wrap CUDA graph captures of all_reduce calls in this::
 
-        The epoch advances on the device, so replays stay in step with each
-        other and with eager calls; inside, nothing talks to the host (the
-        debug fingerprint is skipped). Register reused inputs before capturing
-        to make the replays zero copy.
+            with comm.capture():
+                with torch.cuda.graph(graph):
+                    y = comm.all_reduce(x)
+
+        Replays stay correct however often they run (the epoch advances on
+        the device), in step with each other and with eager calls. On the
+        CUDA backend, buffers registered beforehand are read in place, and
+        every other captured call that can read its input in place (out of
+        place, or in place running two-shot) is registered when this context
+        exits, so its replays skip the staging copy too; inputs that cannot be
+        exported keep the copy (logged once). Every rank must capture the
+        same calls; a mismatch, or a capture that failed on some rank, raises
+        at exit on every rank. Inside, nothing talks to the host (the debug
+        fingerprint is skipped).
         """
         if self.device.type != "cuda":
             raise RuntimeError("pyallreduce: capture() is for CUDA graphs; this communicator serves "
                                f"{self.device}")
+        if self._capturing:
+            raise RuntimeError("pyallreduce: comm.capture() is already open; do not nest it")
+        _check_not_capturing("enter comm.capture() before torch.cuda.graph(...), not inside it")
+        table = self._handle is not None and self.backend == "cuda"  # the CUDA kernels' graph table
+        if table:
+            self._open_graph_table()
         self._capturing = True
         try:
             yield self
-        finally:
+        except BaseException:
             self._capturing = False
+            if table:
+                with contextlib.suppress(Exception):  # the capture's own error is the one to see
+                    self._register_captured(aborted=True)
+            raise
+        self._capturing = False
+        if table:
+            self._register_captured(aborted=False)
+
+    def _open_graph_table(self):
+        """Collective: opens the graph table on every rank, or on none."""
+        error = None
+        try:
+            _C.cuda_graph_capture_begin(self._handle, GRAPH_TABLE_BLOCK)
+        except RuntimeError as e:
+            error = str(e)
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
+        if failed:
+            if error is None:
+                _C.cuda_graph_capture_end(self._handle)
+            raise RuntimeError("pyallreduce: comm.capture() could not open the graph table on "
+                               + "; ".join(failed))
+
+    def _register_captured(self, aborted):
+        """Collective, at capture() exit: makes the captured calls that have a
+        graph entry on every rank zero copy on every rank, or on none. After a
+        failed capture (aborted) this rank only tells the others, so that none
+        waits for it; the original exception then propagates."""
+        calls, calls_without_entry = _C.cuda_graph_capture_end(self._handle)
+        every = [None] * self.world_size
+        if aborted:
+            dist.all_gather_object(every, CAPTURE_ABORTED, group=self.group)
+            return
+        _check_not_capturing("leave comm.capture() after the torch.cuda.graph(...) capture ended")
+        if calls_without_entry:
+            log_once(f"{calls_without_entry} captured calls keep the staging copy: more than "
+                     f"{GRAPH_TABLE_BLOCK // 2} in one comm.capture() may not all get a graph entry")
+        dist.all_gather_object(every, [(nbytes, in_place, slot >= 0) for slot, _, nbytes, in_place in calls],
+                               group=self.group)
+        mismatch = captures_mismatch(every)
+        if mismatch:
+            raise RuntimeError(mismatch)
+        # A call is zero copy only where every rank could give it an entry
+        # (an input a rank had to copy for alignment has none there).
+        zero_copy = [k for k in range(len(calls)) if all(e[k][2] for e in every)]
+        if not zero_copy:
+            return
+        # No kernel of ours may read an entry while it changes, on any rank.
+        torch.cuda.synchronize(self.device)
+        from .transport.cuda_ipc import RegistrationError
+
+        try:
+            shared = self._transport.share_buffers([calls[k][1:3] for k in zero_copy])
+        except RegistrationError as e:  # raised on every rank alike
+            log_once(f"the captured calls keep the staging copy: {e}")
+            return
+        kept = [addrs for addrs in shared if isinstance(addrs, str)]
+        if kept:
+            log_once(f"{len(kept)} of {len(zero_copy)} captured calls keep the staging copy: {kept[0]}")
+        slots = [calls[k][0] for k, addrs in zip(zero_copy, shared) if not isinstance(addrs, str)]
+        error = None
+        try:
+            _C.cuda_graph_set_entries(self._handle, slots, [a for a in shared if not isinstance(a, str)])
+        except RuntimeError as e:
+            error = str(e)
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)  # also: nobody replays before all wrote
+        failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
+        if failed:
+            _C.cuda_graph_reset_entries(self._handle, slots)  # staged again, like every other rank
+            raise RuntimeError("pyallreduce: registering the captured buffers failed on " + "; ".join(failed))
 
     def close(self):
         """Releases the mapped memory. Safe to call twice. On CUDA it is
@@ -432,6 +524,29 @@ class Communicator:
         if any(f != mine for f in every):
             rows = "\n".join(f"  rank {q}: (call, op, dtype, numel, algo) = {f}" for q, f in enumerate(every))
             raise RuntimeError(f"pyallreduce: the ranks disagree about this collective:\n{rows}")
+
+
+def captures_mismatch(every):
+    """None, or the error for ranks whose captures inside comm.capture() differ.
+    every[q]: rank q's (bytes, in place, has a graph entry) per captured call,
+    or CAPTURE_ABORTED if its capture failed."""
+    aborted = [q for q, calls in enumerate(every) if calls == CAPTURE_ABORTED]
+    if aborted:
+        return (f"pyallreduce: the capture failed on ranks {aborted}; do not replay this graph on the "
+                "other ranks: its calls would wait for ranks that never replay")
+    if all([c[:2] for c in calls] == [c[:2] for c in every[0]] for calls in every):
+        return None
+    rows = "\n".join(f"  rank {q}: {len(calls)} calls, (bytes, in place) of the first: "
+                     f"{[c[:2] for c in calls[:3]]}" for q, calls in enumerate(every))
+    return ("pyallreduce: the ranks captured different all_reduce calls inside comm.capture(); every "
+            "rank must capture the same calls in the same order, or the replays wait for each other "
+            f"until the deadline:\n{rows}")
+
+
+def _check_not_capturing(what):
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"pyallreduce: {what}: the captured calls are registered when "
+                           "comm.capture() exits, which talks to the other ranks")
 
 
 def _eager(tensor):

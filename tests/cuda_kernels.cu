@@ -1,7 +1,8 @@
 // Instantiates every kernel of csrc/cuda/all_reduce.cuh (3 dtypes x world
-// sizes 1..8 x one-shot/two-shot) through the same launch_all_reduce() that
-// csrc/cuda/all_reduce.cu calls, without torch, so tests/test_cuda_build.py
-// can check ptxas's report and the PTX quickly on a machine without a GPU.
+// sizes 1..8 x one-shot/two-shot x with/without a graph-table entry) through
+// the same launch_all_reduce() that csrc/cuda/all_reduce.cu calls, without
+// torch, so tests/test_cuda_build.py can check ptxas's report and the PTX
+// quickly on a machine without a GPU.
 #include "cuda/all_reduce.cuh"
 
 namespace pyallreduce {

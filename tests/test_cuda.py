@@ -136,7 +136,9 @@ def check_random_floats(rank, world):
 
 def check_graph(rank, world):
     """Captured once, replayed many times with new inputs: the kernels' epoch
-    lives in device memory, so every replay is a new call."""
+    lives in device memory, so every replay is a new call. The captured
+    inputs are registered when comm.capture() exits, so the replays read them
+    in place; each input is overwritten right after each replay."""
     torch.cuda.set_device(0)
     failures = []
     replays = 30
@@ -144,30 +146,88 @@ def check_graph(rank, world):
         for dtype in DTYPES:
             numel = 2 * NBLOCKS * CHUNK_BYTES // torch.empty((), dtype=dtype).element_size() + 3
             static = on_gpu(exact_input(numel, rank, dtype))
+            in_place_two = static.clone()
+            in_place_one = static.clone()
             comm.all_reduce(static)  # warm-up outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
             with comm.capture():
                 with torch.cuda.graph(graph):
-                    # Several calls in one graph, both algorithms, sum and avg.
+                    # Several calls in one graph, both algorithms, sum and avg, in place.
                     out_one = comm.all_reduce(static, algo="one_shot")
                     out_two = comm.all_reduce(static, algo="two_shot")
                     out_avg = comm.all_reduce(static, op="avg", algo="two_shot")
+                    comm.all_reduce_(in_place_two, algo="two_shot")
+                    comm.all_reduce_(in_place_one, algo="one_shot")  # keeps the staging copy
+            # Out-of-place calls read the inputs in place (1), the in-place
+            # two-shot call reduces in place (2); in-place one-shot has no entry.
+            modes = _C.cuda_graph_entry_modes(comm._handle)[entries_before:]
+            if modes != [1, 1, 1, 2]:
+                failures.append(("graph entries", dtype, modes))
             for it in range(replays):
                 salt = it + 1
-                static.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
+                for t in (static, in_place_two, in_place_one):
+                    t.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
                 graph.replay()
+                results = [out_one.clone(), out_two.clone(), out_avg.clone(), in_place_two.clone(),
+                           in_place_one.clone()]
+                static.fill_(-9)  # at once: peers must be done reading it
                 want = exact_sum(numel, world, dtype, salt)
-                if not (torch.equal(out_one.cpu(), want) and torch.equal(out_two.cpu(), want)):
+                if not all(torch.equal(r.cpu(), want) for i, r in enumerate(results) if i != 2):
                     failures.append(("sum", dtype, it))
-                if not torch.equal(out_avg.cpu(), exact_avg(numel, world, dtype, salt)):
+                if not torch.equal(results[2].cpu(), exact_avg(numel, world, dtype, salt)):
                     failures.append(("avg", dtype, it))
             # Eager calls still line up with the epochs the replays advanced.
             got = comm.all_reduce(on_gpu(exact_input(numel, rank, dtype, 99)))
             if not torch.equal(got.cpu(), exact_sum(numel, world, dtype, 99)):
                 failures.append(("eager after replays", dtype))
             del graph
+        # Entered inside the capture, comm.capture() could not register at exit: refused.
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                with comm.capture():
+                    pass
+            failures.append("capture() inside torch.cuda.graph was accepted")
+        except RuntimeError as e:
+            if "before torch.cuda.graph" not in str(e):
+                failures.append(("wrong error", str(e)))
     assert not failures, f"rank {rank}: {failures[:10]}"
+
+
+def check_graph_reads_inputs_in_place(rank, world):
+    """After comm.capture() exits, replays of a captured out-of-place one-shot
+    call read every rank's input in place: this rank's staging buffers, filled
+    with a marker, stay untouched while the sums stay right."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    failures = []
+    with make_comm() as comm:
+        dtype = torch.float32
+        numel = 3 * CHUNK_BYTES // 4 + 1
+        x = on_gpu(exact_input(numel, rank, dtype))
+        graph = torch.cuda.CUDAGraph()
+        with comm.capture():
+            with torch.cuda.graph(graph):
+                out = comm.all_reduce(x, algo="one_shot")
+        staging = comm._transport.regions[rank] + _C.DATA_OFFSET
+        marker = torch.full((2 * comm.max_bytes,), 0xA5, dtype=torch.uint8)
+        _C.cuda_memcpy(0, staging, marker.data_ptr(), marker.numel())
+        for it in range(10):
+            x.copy_(on_gpu(exact_input(numel, rank, dtype, it)))
+            graph.replay()
+            if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, it)):
+                failures.append(("sum", it))
+        torch.cuda.synchronize()
+        dist.barrier()
+        staged = torch.empty_like(marker)
+        _C.cuda_memcpy(0, staged.data_ptr(), staging, marker.numel())
+        if not torch.equal(staged, marker):
+            failures.append("the replays wrote the staging buffer: not zero copy")
+        del graph
+    assert not failures, f"rank {rank}: {failures}"
 
 
 # ---- zero-copy (registered) buffers -----------------------------------------------------
@@ -254,7 +314,8 @@ def check_back_to_back(rank, world):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
 
 
-CHECKS = (check_eager, check_random_floats, check_graph, check_registered, check_back_to_back)
+CHECKS = (check_eager, check_random_floats, check_graph, check_graph_reads_inputs_in_place, check_registered,
+          check_back_to_back)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -3,7 +3,8 @@ compiler's own report: no register spills, 16-byte vector accesses, the
 system-scope release/acquire flags and the %globaltimer deadline.
 
 tests/cuda_kernels.cu instantiates every kernel (3 dtypes x world sizes 1..8 x
-one-shot/two-shot) through the launcher that csrc/cuda/all_reduce.cu uses.
+one-shot/two-shot x with/without a graph-table entry) through the launcher that
+csrc/cuda/all_reduce.cu uses.
 Only sm_90 (the target) is compiled, to keep this fast on a small CI machine.
 """
 import os
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("float", "__half", "__nv_bfloat16")
 WORLD_SIZES = range(1, 9)
 ALGOS = ("one_shot", "two_shot")
+GRAPH_ENTRY = (False, True)  # the kernels' kGraphEntry template argument
 MAX_REGISTERS = 128  # 65536 registers / 512 threads: __launch_bounds__(512, 1)
+PRINTF_FRAME_BYTES = 64  # the deadline message's printf arguments (56 bytes with nvcc 13)
 
 
 def find_nvcc():
@@ -50,13 +53,13 @@ def torch_nvcc_flags():
     return list(COMMON_NVCC_FLAGS)
 
 
-def mangled(algo, dtype, world):
+def mangled(algo, dtype, world, graph_entry):
     type_code = {"float": "f", "__half": "6__half", "__nv_bfloat16": "13__nv_bfloat16"}[dtype]
     name = f"{algo}_kernel"
-    return f"_ZN11pyallreduce4cuda{len(name)}{name}I{type_code}Li{world}EEEvNS0_10KernelArgsE"
+    return f"_ZN11pyallreduce4cuda{len(name)}{name}I{type_code}Li{world}ELb{int(graph_entry)}EEEvNS0_10KernelArgsE"
 
 
-KERNELS = [mangled(a, d, w) for a in ALGOS for d in DTYPES for w in WORLD_SIZES]
+KERNELS = [mangled(a, d, w, g) for a in ALGOS for d in DTYPES for w in WORLD_SIZES for g in GRAPH_ENTRY]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,12 @@ def test_nvcc_reports_no_spills(build):
     assert sorted(props) == sorted(KERNELS), f"kernels compiled: {sorted(props)}"
     spilling = {k: p for k, p in props.items() if p[2] or p[3]}
     assert not spilling, f"kernels spill registers (regs, stack, spill st, spill ld): {spilling}"
+    # The one local buffer is the deadline printf's arguments, the same in every
+    # kernel; arguments copied to local memory (a runtime index into them) would
+    # show as a larger frame.
+    frames = {p[1] for p in props.values()}
+    assert len(frames) == 1 and max(frames) <= PRINTF_FRAME_BYTES, \
+        f"stack frames {sorted(frames)} bytes: {({k: p[1] for k, p in props.items()})}"
     too_many = {k: p[0] for k, p in props.items() if p[0] > MAX_REGISTERS}
     assert not too_many, f"kernels above {MAX_REGISTERS} registers: {too_many}"
 

@@ -43,6 +43,7 @@ def bad_input(rank, world):
     # out overlapping the input (large messages go in rounds: it would read what it wrote).
     buf = torch.ones(16)
     expect(RuntimeError, "out overlaps the input", comm.all_reduce, buf[:8], out=buf[4:12])
+    expect(RuntimeError, r"capture\(\) is for CUDA graphs", comm.capture().__enter__)
     # Nothing above moved data: the communicator still works.
     assert torch.equal(comm.all_reduce(x), torch.full((8,), float(world)))
     # Direct op calls are checked too: never out of bounds.

@@ -6,7 +6,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one needs cuBLAS/cuSPARSE headers
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,32 +22,99 @@ namespace pyallreduce {
 namespace {
 
 // ---- zero-copy registrations ------------------------------------------------------
-// Per context: registered local buffers by start address. The key is the
-// Context's address (the op implementation receives a Context&, not its
-// handle); the weak_ptr detects a destroyed context whose address was reused.
+// Per context: registered local buffers by start address, and the graph table.
+// The key is the Context's address (the op implementation receives a Context&,
+// not its handle); the weak_ptr detects a destroyed context whose address was
+// reused.
 
 struct Registration {
   int64_t nbytes = 0;
   std::array<int64_t, kMaxRanks> peers{};  // every rank's buffer as mapped here
 };
 
+// A call captured inside comm.capture(), until it exits.
+struct CapturedCall {
+  int64_t slot;   // its graph-table entry, or -1 (not eligible, or no free entry)
+  int64_t input;  // this rank's input address
+  int64_t nbytes;
+  bool in_place;
+};
+
+// The graph table (cuda::GraphEntry, explained in all_reduce.cuh): entries for
+// calls captured inside comm.capture() whose inputs may be registered when it
+// exits. Blocks of device memory, zeroed (every entry kStaged) when allocated,
+// which happens only outside captures, and never moved or reused: captured
+// kernels hold pointers into them. Slot s is entry s % block_entries of block
+// s / block_entries. comm.capture() starts a new block when the current one is
+// more than half used, so one capture has at least half a block of entries.
+struct GraphBlock {
+  cuda::GraphEntry* device = nullptr;
+  std::vector<cuda::GraphEntry> host;  // what the device entries say
+};
+
+struct GraphTable {
+  int device_index = -1;
+  int64_t block_entries = 0;
+  std::vector<GraphBlock> blocks;
+  int64_t next_slot = 0;
+  std::vector<int64_t> input;       // per slot: this rank's captured input (0: never used)
+  std::vector<uint8_t> in_place;    // per slot: the captured call was in place
+  bool open = false;                // inside comm.capture()
+  std::vector<CapturedCall> captured;
+  int64_t calls_without_entry = 0;  // eligible, but the block was full
+
+  cuda::GraphEntry& host_entry(int64_t slot) {
+    return blocks[slot / block_entries].host[slot % block_entries];
+  }
+};
+
 struct ContextBuffers {
   std::weak_ptr<Context> owner;
   std::map<int64_t, Registration> by_start;
+  GraphTable graph;
 };
 
 std::mutex buffers_mutex;
 std::unordered_map<const Context*, ContextBuffers> buffers_by_context;
+using BuffersIter = std::unordered_map<const Context*, ContextBuffers>::iterator;
+// How many graph tables are open: eager calls check this, not the mutex.
+std::atomic<int> open_graph_tables{0};
+
+// Frees the graph table's device memory too. Only reached outside captures
+// (close(), register(), capture() entry). The device may be unusable by then
+// (process exit): a failed free is not an error worth raising here.
+BuffersIter erase_buffers(BuffersIter it) {
+  GraphTable& graph = it->second.graph;
+  if (graph.open) open_graph_tables.fetch_sub(1);
+  if (!graph.blocks.empty()) {
+    try {
+      c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(graph.device_index));
+      for (GraphBlock& block : graph.blocks) {
+        if (cudaFree(block.device) != cudaSuccess) cudaGetLastError();
+      }
+    } catch (const std::exception&) {  // no usable device left: nothing to free it on
+    }
+  }
+  return buffers_by_context.erase(it);
+}
 
 // The live table of ctx, or nullptr. Caller holds buffers_mutex.
 ContextBuffers* buffers_of(const Context* ctx) {
   auto it = buffers_by_context.find(ctx);
   if (it == buffers_by_context.end()) return nullptr;
-  if (it->second.owner.lock().get() != ctx) {  // stale: that context is gone
-    buffers_by_context.erase(it);
-    return nullptr;
-  }
+  // Stale: that context is gone (buffers_for frees it, outside any capture).
+  if (it->second.owner.lock().get() != ctx) return nullptr;
   return &it->second;
+}
+
+// The table of ctx, created if needed. Caller holds buffers_mutex.
+ContextBuffers& buffers_for(const std::shared_ptr<Context>& ctx) {
+  for (auto it = buffers_by_context.begin(); it != buffers_by_context.end();) {  // drop stale tables
+    it = it->second.owner.expired() ? erase_buffers(it) : std::next(it);
+  }
+  ContextBuffers& table = buffers_by_context[ctx.get()];
+  table.owner = ctx;
+  return table;
 }
 
 // If [ptr, ptr + nbytes) lies inside a registered buffer at a 16-byte aligned
@@ -69,7 +138,191 @@ bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&pe
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % cuda::kVecBytes == 0; }
 
+// For a call being captured inside comm.capture(): its graph-table entry, or
+// nullptr (eager call, not eligible, or no free entry). Records every captured
+// call so comm.capture() can check that the ranks captured the same ones.
+const cuda::GraphEntry* graph_entry_for(const Context& ctx, cudaStream_t stream, bool eligible,
+                                        const char* input, int64_t bytes, bool in_place) {
+  if (open_graph_tables.load(std::memory_order_relaxed) == 0) return nullptr;  // eager calls stop here
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  ContextBuffers* table = buffers_of(&ctx);
+  if (table == nullptr || !table->graph.open) return nullptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusActive) return nullptr;
+  GraphTable& graph = table->graph;
+  const int64_t capacity = static_cast<int64_t>(graph.blocks.size()) * graph.block_entries;
+  int64_t slot = -1;
+  if (eligible && graph.next_slot < capacity) {
+    slot = graph.next_slot++;
+    graph.input[slot] = reinterpret_cast<int64_t>(input);
+    graph.in_place[slot] = in_place;
+  } else if (eligible) {
+    ++graph.calls_without_entry;
+  }
+  graph.captured.push_back({slot, reinterpret_cast<int64_t>(input), bytes, in_place});
+  if (slot < 0) return nullptr;
+  return graph.blocks[slot / graph.block_entries].device + slot % graph.block_entries;
+}
+
+// Copies the host entries of `slots` to the device and waits until they are
+// there (a copy from pageable memory may return before its DMA ends). The
+// caller makes sure no kernel of this communicator runs meanwhile.
+void upload_entries(GraphTable& graph, const std::vector<int64_t>& slots) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // per block touched: [first, last)
+  ranges.assign(graph.blocks.size(), {graph.block_entries, 0});
+  for (int64_t slot : slots) {
+    auto& r = ranges[slot / graph.block_entries];
+    r.first = std::min(r.first, slot % graph.block_entries);
+    r.second = std::max(r.second, slot % graph.block_entries + 1);
+  }
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(graph.device_index));
+  for (size_t b = 0; b < ranges.size(); ++b) {
+    const auto [first, last] = ranges[b];
+    if (first >= last) continue;
+    C10_CUDA_CHECK(cudaMemcpy(graph.blocks[b].device + first, graph.blocks[b].host.data() + first,
+                              sizeof(cuda::GraphEntry) * static_cast<size_t>(last - first),
+                              cudaMemcpyHostToDevice));
+  }
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// A zeroed block of n entries (every entry kStaged).
+GraphBlock allocate_block(int device, int64_t n) {
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+  const size_t nbytes = sizeof(cuda::GraphEntry) * static_cast<size_t>(n);
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&ptr, nbytes));
+  cudaError_t err = cudaMemset(ptr, 0, nbytes);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    cudaFree(ptr);
+    C10_CUDA_CHECK(err);
+  }
+  GraphBlock block;
+  block.device = static_cast<cuda::GraphEntry*>(ptr);
+  block.host.assign(static_cast<size_t>(n), cuda::GraphEntry{});
+  return block;
+}
+
+// The open graph table of ctx. Caller holds buffers_mutex.
+GraphTable& graph_table_of(const Context& ctx) {
+  ContextBuffers* table = buffers_of(&ctx);
+  TORCH_CHECK(table != nullptr && !table->graph.blocks.empty(),
+              "pyallreduce: this communicator has no graph table");
+  return table->graph;
+}
+
 }  // namespace
+
+void graph_capture_begin(int64_t handle, int64_t block_entries) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  TORCH_CHECK(ctx->is_cuda, "pyallreduce: capture needs a CUDA communicator");
+  TORCH_CHECK(block_entries > 0, "pyallreduce: graph table blocks need a positive size");
+  bool need_block;
+  {
+    std::lock_guard<std::mutex> lock(buffers_mutex);
+    GraphTable& graph = buffers_for(ctx).graph;
+    TORCH_CHECK(!graph.open, "pyallreduce: comm.capture() is already open on this communicator");
+    TORCH_CHECK(graph.blocks.empty() || graph.block_entries == block_entries,
+                "pyallreduce: graph table blocks cannot change size");
+    const int64_t capacity = static_cast<int64_t>(graph.blocks.size()) * block_entries;
+    need_block = capacity - graph.next_slot < block_entries / 2;
+  }
+  GraphBlock block;
+  if (need_block) block = allocate_block(ctx->device, block_entries);  // not under the lock
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  GraphTable& graph = buffers_for(ctx).graph;
+  if (need_block) {
+    graph.device_index = ctx->device;
+    graph.block_entries = block_entries;
+    graph.next_slot = static_cast<int64_t>(graph.blocks.size()) * block_entries;  // skips the old block's rest
+    graph.blocks.push_back(std::move(block));
+    graph.input.resize(graph.blocks.size() * block_entries, 0);
+    graph.in_place.resize(graph.blocks.size() * block_entries, 0);
+  }
+  graph.open = true;
+  graph.captured.clear();
+  graph.calls_without_entry = 0;
+  open_graph_tables.fetch_add(1);
+}
+
+GraphCapture graph_capture_end(int64_t handle) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  ContextBuffers* table = buffers_of(ctx.get());
+  GraphCapture result;
+  if (table == nullptr || !table->graph.open) return result;
+  GraphTable& graph = table->graph;
+  graph.open = false;
+  open_graph_tables.fetch_sub(1);
+  for (const CapturedCall& c : graph.captured) {
+    result.calls.emplace_back(c.slot, c.input, c.nbytes, c.in_place);
+  }
+  result.calls_without_entry = graph.calls_without_entry;
+  graph.captured.clear();
+  return result;
+}
+
+void graph_set_entries(int64_t handle, const std::vector<int64_t>& slots,
+                       const std::vector<std::vector<int64_t>>& peer_ptrs) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  TORCH_CHECK(slots.size() == peer_ptrs.size(), "pyallreduce: graph entries: ", slots.size(),
+              " slots but ", peer_ptrs.size(), " address lists");
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  GraphTable& graph = graph_table_of(*ctx);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t slot = slots[i];
+    const std::vector<int64_t>& ptrs = peer_ptrs[i];
+    TORCH_CHECK(slot >= 0 && slot < graph.next_slot && graph.input[slot] != 0,
+                "pyallreduce: graph entry ", slot, " was never used");
+    TORCH_CHECK(static_cast<int>(ptrs.size()) == ctx->world_size, "pyallreduce: graph entry ", slot,
+                " got ", ptrs.size(), " addresses for world size ", ctx->world_size);
+    TORCH_CHECK(ptrs[ctx->rank] == graph.input[slot], "pyallreduce: graph entry ", slot,
+                ": this rank's address must be the captured input itself");
+    cuda::GraphEntry entry{};
+    for (int q = 0; q < ctx->world_size; ++q) {
+      TORCH_CHECK(ptrs[q] != 0 && ptrs[q] % cuda::kVecBytes == 0, "pyallreduce: rank ", q,
+                  "'s buffer for graph entry ", slot, " is not ", cuda::kVecBytes, "-byte aligned");
+      entry.registered[q] = reinterpret_cast<const char*>(ptrs[q]);
+    }
+    entry.mode = graph.in_place[slot] ? cuda::kRegisteredInPlace : cuda::kRegistered;
+    graph.host_entry(slot) = entry;
+  }
+  upload_entries(graph, slots);
+}
+
+void graph_reset_entries(int64_t handle, const std::vector<int64_t>& slots) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  GraphTable& graph = graph_table_of(*ctx);
+  std::vector<int64_t> valid;
+  for (int64_t slot : slots) {
+    if (slot < 0 || slot >= graph.next_slot) continue;
+    graph.host_entry(slot) = cuda::GraphEntry{};
+    valid.push_back(slot);
+  }
+  upload_entries(graph, valid);
+}
+
+std::vector<int64_t> graph_entry_modes(int64_t handle) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  std::lock_guard<std::mutex> lock(buffers_mutex);
+  ContextBuffers* table = buffers_of(ctx.get());
+  std::vector<int64_t> modes;
+  if (table == nullptr) return modes;
+  GraphTable& graph = table->graph;
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx->device));
+  for (int64_t slot = 0; slot < graph.next_slot; ++slot) {
+    if (graph.input[slot] == 0) continue;  // skipped when a new block began
+    cuda::GraphEntry entry;  // read back from the device: what the kernels will see
+    C10_CUDA_CHECK(cudaMemcpy(&entry,
+                              graph.blocks[slot / graph.block_entries].device + slot % graph.block_entries,
+                              sizeof(entry), cudaMemcpyDeviceToHost));
+    modes.push_back(entry.mode);
+  }
+  return modes;
+}
 
 void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
                           const std::vector<int64_t>& peer_ptrs) {
@@ -88,11 +341,7 @@ void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
     reg.peers[q] = peer_ptrs[q];
   }
   std::lock_guard<std::mutex> lock(buffers_mutex);
-  for (auto it = buffers_by_context.begin(); it != buffers_by_context.end();) {  // drop stale tables
-    it = it->second.owner.expired() ? buffers_by_context.erase(it) : std::next(it);
-  }
-  ContextBuffers& table = buffers_by_context[ctx.get()];
-  table.owner = ctx;
+  ContextBuffers& table = buffers_for(ctx);
   auto next = table.by_start.lower_bound(local_ptr);
   if (next != table.by_start.end() && next->first == local_ptr && next->second.nbytes == nbytes &&
       next->second.peers == reg.peers) {
@@ -116,7 +365,8 @@ bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr) {
 void clear_cuda_buffers(int64_t handle) {
   std::shared_ptr<Context> ctx = get_context(handle);
   std::lock_guard<std::mutex> lock(buffers_mutex);
-  buffers_by_context.erase(ctx.get());
+  auto it = buffers_by_context.find(ctx.get());
+  if (it != buffers_by_context.end()) erase_buffers(it);
 }
 
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes) {
@@ -166,6 +416,11 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   }
   call.input = in_ptr;
   call.out = out_ptr;
+  const bool zero_copy_possible = call.mode == cuda::kStaged && !input_tmp.defined() &&
+                                  !out_tmp.defined() &&
+                                  (disjoint || (in_place && algo == kTwoShot));
+  call.graph_entry =
+      graph_entry_for(ctx, stream, zero_copy_possible, in_ptr, bytes, in_place);
 
   bool launched = false;
   switch (input.scalar_type()) {

@@ -53,6 +53,18 @@ enum Mode : int {
   kRegisteredInPlace = 2,
 };
 
+// A captured call's entry in the communicator's graph table (device memory).
+// A CUDA graph fixes kernel arguments at capture, but a buffer first seen
+// during a capture is registered only when comm.capture() exits: such a call
+// is captured with a pointer to its entry, which says kStaged (zeroed memory)
+// until the host fills in every rank's buffer and the zero-copy mode. The
+// host writes entries only while no kernel runs, and every rank writes the
+// same modes (comm.capture() agrees on them first).
+struct GraphEntry {
+  const char* registered[kMaxRanks];  // every rank's input as mapped here, once registered
+  int64_t mode;                       // kStaged, kRegistered or kRegisteredInPlace
+};
+
 // One call as the glue (csrc/cuda/all_reduce.cu) describes it.
 struct Call {
   char* regions[kMaxRanks];     // each rank's region base as mapped in this process
@@ -65,6 +77,7 @@ struct Call {
   int rank;
   Mode mode;
   bool average;                 // divide the fp32 sum by W before the cast
+  const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
 };
 
 // What the kernels receive, by value (kernel parameter space, so a CUDA graph
@@ -82,6 +95,7 @@ struct KernelArgs {
   char* out;
   int64_t bytes;
   int64_t timeout_ns;
+  const GraphEntry* graph_entry;  // nullptr: the buffers above are final
   int rank;
   int mode;
   bool average;
@@ -151,6 +165,16 @@ __device__ __forceinline__ uint32_t advance_epoch(char* own_region, uint32_t epo
   return shared_epoch;
 }
 
+// arr[i] for a runtime i < W without indexing a local array (which would
+// spill the array to local memory): W predicated selects.
+template <int W, typename P>
+__device__ __forceinline__ P select_rank(const P* arr, int i) {
+  P r = arr[0];
+#pragma unroll
+  for (int q = 1; q < W; ++q) r = (q == i) ? arr[q] : r;
+  return r;
+}
+
 // ---- barrier ----------------------------------------------------------------
 
 // Block b meets block b of every peer on one flag array at epoch e: thread q
@@ -175,7 +199,9 @@ __device__ __forceinline__ void barrier(const KernelArgs& a, char* own_region, i
   __syncthreads();
   if (threadIdx.x < W) {
     const int q = threadIdx.x;
-    store_release_sys(flag_ptr(a.regions[q], array_offset, blockIdx.x, a.rank), e);
+    // select_rank, not a.regions[q]: a runtime index would put the arguments
+    // in local memory in the graph-entry kernels (with_graph_entry copies them).
+    store_release_sys(flag_ptr(select_rank<W>(a.regions, q), array_offset, blockIdx.x, a.rank), e);
     const uint32_t* own = flag_ptr(own_region, array_offset, blockIdx.x, q);
     uint64_t started = 0;
     uint32_t flag;
@@ -293,16 +319,6 @@ __device__ __forceinline__ Vec<T> reduce_vec(const char* const (&src)[W], int64_
   return r;
 }
 
-// arr[i] for a runtime i < W without indexing a local array (which would
-// spill the array to local memory): W predicated selects.
-template <int W, typename P>
-__device__ __forceinline__ P select_rank(const P* arr, int i) {
-  P r = arr[0];
-#pragma unroll
-  for (int q = 1; q < W; ++q) r = (q == i) ? arr[q] : r;
-  return r;
-}
-
 // Byte offset of this thread's vector in chunk c.
 __device__ __forceinline__ int64_t vec_offset(int64_t chunk) {
   return chunk * kChunkBytes + int64_t(threadIdx.x) * kVecBytes;
@@ -354,7 +370,7 @@ __device__ __forceinline__ void reduce_at(const KernelArgs& a, int64_t shift, in
 // (on start_flags at e + 1: the layout has no third flag array, and a second
 // epoch value keeps the two barriers on one array apart).
 template <typename T, int W>
-__global__ void __launch_bounds__(kThreads, 1) one_shot_kernel(const KernelArgs a) {
+__device__ __forceinline__ void one_shot(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
   const bool staged = a.mode == kStaged;
   const uint32_t e = advance_epoch(own_region, staged ? 1 : 2);
@@ -383,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) one_shot_kernel(const KernelArgs 
 // Ownership (protocol.h's chunk_owner_rank): chunk c = blockIdx.x + k * nblocks
 // (round k of this block) is reduced by rank k % W.
 template <typename T, int W>
-__global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs a) {
+__device__ __forceinline__ void two_shot(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
   const bool staged = a.mode == kStaged;
   const bool in_place = a.mode == kRegisteredInPlace;
@@ -420,6 +436,50 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs 
   if (in_place) barrier<W>(a, own_region, kStartFlagsOffset, e + 1, "end");
 }
 
+// The arguments of a call captured with a graph-table entry: the captured
+// staging arguments, or, once the entry is registered, the zero-copy ones
+// (as make_kernel_args would have built them). Plain loads: the host wrote the
+// entry before this launch.
+template <int W>
+__device__ __forceinline__ KernelArgs with_graph_entry(const KernelArgs& params) {
+  KernelArgs a = params;
+  const GraphEntry* entry = params.graph_entry;
+  const int mode = int(entry->mode);
+  if (mode != kStaged) {
+#pragma unroll
+    for (int q = 0; q < W; ++q) a.sources[q] = entry->registered[q];
+    a.sources_odd_shift = 0;
+    if (mode == kRegisteredInPlace) {
+#pragma unroll
+      for (int q = 0; q < W; ++q) a.reduced[q] = const_cast<char*>(entry->registered[q]);
+      a.reduced_odd_shift = 0;
+    }
+    a.mode = mode;
+  }
+  return a;
+}
+
+// Kernels with kGraphEntry = false take every buffer from the parameter bank
+// (eager calls, and captures of buffers registered beforehand); the graph-table
+// variant only adds the entry load in front, so eager calls pay nothing for it.
+template <typename T, int W, bool kGraphEntry>
+__global__ void __launch_bounds__(kThreads, 1) one_shot_kernel(const KernelArgs params) {
+  if constexpr (kGraphEntry) {
+    one_shot<T, W>(with_graph_entry<W>(params));
+  } else {
+    one_shot<T, W>(params);
+  }
+}
+
+template <typename T, int W, bool kGraphEntry>
+__global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs params) {
+  if constexpr (kGraphEntry) {
+    two_shot<T, W>(with_graph_entry<W>(params));
+  } else {
+    two_shot<T, W>(params);
+  }
+}
+
 // ---- launch ---------------------------------------------------------------------
 
 inline KernelArgs make_kernel_args(const Call& call) {
@@ -439,22 +499,31 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.out = call.out;
   a.bytes = call.bytes;
   a.timeout_ns = call.timeout_ns;
+  a.graph_entry = call.graph_entry;
   a.rank = call.rank;
   a.mode = call.mode;
   a.average = call.average;
   return a;
 }
 
-// ---- launch ---------------------------------------------------------------------
+template <typename T, int W, bool kGraphEntry>
+inline void launch_kernel(int64_t algo, const KernelArgs& a, int nblocks, cudaStream_t stream) {
+  // In-place zero-copy exists only in the two-shot structure: one-shot would
+  // overwrite its input while peers still read it (so an in-place call gets a
+  // graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cu).
+  if (algo == kOneShot && a.mode != kRegisteredInPlace) {
+    one_shot_kernel<T, W, kGraphEntry><<<nblocks, kThreads, 0, stream>>>(a);
+  } else {
+    two_shot_kernel<T, W, kGraphEntry><<<nblocks, kThreads, 0, stream>>>(a);
+  }
+}
 
 template <typename T, int W>
 inline void launch_for_world(int64_t algo, const KernelArgs& a, int nblocks, cudaStream_t stream) {
-  // In-place zero-copy exists only in the two-shot structure: one-shot would
-  // overwrite its input while peers still read it.
-  if (algo == kOneShot && a.mode != kRegisteredInPlace) {
-    one_shot_kernel<T, W><<<nblocks, kThreads, 0, stream>>>(a);
+  if (a.graph_entry != nullptr) {
+    launch_kernel<T, W, true>(algo, a, nblocks, stream);
   } else {
-    two_shot_kernel<T, W><<<nblocks, kThreads, 0, stream>>>(a);
+    launch_kernel<T, W, false>(algo, a, nblocks, stream);
   }
 }
 

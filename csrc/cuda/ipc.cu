@@ -224,6 +224,21 @@ void bind_cuda_ipc(pybind11::module_& m) {
   m.def("cuda_clear_buffers", &clear_cuda_buffers, py::arg("handle"));
   m.def("cuda_is_registered", &is_cuda_buffer_registered, py::arg("handle"), py::arg("ptr"),
         py::arg("nbytes"));
+  m.def("cuda_graph_capture_begin", &graph_capture_begin, py::arg("handle"),
+        py::arg("block_entries"),
+        "opens the graph table for a comm.capture() (allocating a zeroed block when needed)");
+  m.def(
+      "cuda_graph_capture_end",
+      [](int64_t handle) {
+        GraphCapture c = graph_capture_end(handle);
+        return std::make_tuple(c.calls, c.calls_without_entry);
+      },
+      py::arg("handle"),
+      "closes it: ([(slot or -1, input, nbytes, in_place)] per captured call, calls_without_entry)");
+  m.def("cuda_graph_set_entries", &graph_set_entries, py::arg("handle"), py::arg("slots"),
+        py::arg("peer_ptrs"), "makes those captured calls zero copy");
+  m.def("cuda_graph_reset_entries", &graph_reset_entries, py::arg("handle"), py::arg("slots"));
+  m.def("cuda_graph_entry_modes", &graph_entry_modes, py::arg("handle"));
 }
 
 }  // namespace pyallreduce

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace pybind11 {
@@ -32,5 +33,27 @@ bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr);
 void clear_cuda_buffers(int64_t handle);
 // Whether an input at ptr of nbytes would be read in place (zero-copy).
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes);
+
+// CUDA graphs (comm.capture(); the graph table is explained in all_reduce.cuh
+// and all_reduce.cu). Between begin and end, a captured call whose buffers are
+// not registered gets a table entry that says "staged" until set_entries.
+// begin allocates a new block of block_entries entries when needed.
+void graph_capture_begin(int64_t handle, int64_t block_entries);
+// Every call captured since begin: (entry slot or -1, input address, bytes,
+// in place), and how many eligible calls found no free entry.
+struct GraphCapture {
+  std::vector<std::tuple<int64_t, int64_t, int64_t, bool>> calls;
+  int64_t calls_without_entry = 0;
+};
+GraphCapture graph_capture_end(int64_t handle);
+// Makes the entries `slots` zero copy: peer_ptrs[i][q] is rank q's buffer for
+// slots[i] as mapped here. The caller makes sure no kernel of the communicator
+// runs meanwhile and that every rank sets the same entries.
+void graph_set_entries(int64_t handle, const std::vector<int64_t>& slots,
+                       const std::vector<std::vector<int64_t>>& peer_ptrs);
+// Back to "staged" (when another rank failed to set its entries).
+void graph_reset_entries(int64_t handle, const std::vector<int64_t>& slots);
+// The mode of every entry used so far, read back from the device (tests).
+std::vector<int64_t> graph_entry_modes(int64_t handle);
 
 }  // namespace pyallreduce

@@ -14,6 +14,12 @@ import torch.distributed as dist
 from .. import _C
 
 
+# The CUDA kernels access every buffer in 16-byte vectors (kVecBytes in
+# csrc/cuda/all_reduce.cuh; the C++ side checks it again). Allocation bases are
+# far more aligned than that, so a buffer's offset in its allocation tells.
+ALIGNMENT_BYTES = 16
+
+
 class RegistrationError(RuntimeError):
     """register() could not export or map the buffer on some rank.
 
@@ -41,6 +47,24 @@ def _agree_all(errors, what, exc=RegistrationError):
     failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
     if failed:
         raise exc(f"pyallreduce: {what} failed on " + "; ".join(failed))
+
+
+def buffer_verdict(exported):
+    """None if a buffer can be read in place by every rank, else why not.
+
+    exported: every rank's (handle, offset, nbytes) for it, or the string
+    saying why that rank could not export it. Every rank gets the same list,
+    so every rank reaches the same verdict."""
+    failed = [f"rank {q}: {e}" for q, e in enumerate(exported) if isinstance(e, str)]
+    if failed:
+        return "; ".join(failed)
+    sizes = sorted({nbytes for _, _, nbytes in exported})
+    if len(sizes) != 1:
+        return f"the ranks' buffers differ in size ({sizes} bytes)"
+    misaligned = [q for q, (_, offset, _) in enumerate(exported) if offset % ALIGNMENT_BYTES]
+    if misaligned:
+        return f"the buffers of ranks {misaligned} are not {ALIGNMENT_BYTES}-byte aligned"
+    return None
 
 
 def _agree(error, group, what, exc=RegistrationError):
@@ -117,42 +141,58 @@ class CudaIpcTransport:
         legacy IPC): the caller then keeps the staging copy. The tensor is kept
         alive until close(), so its memory is never reused while peers may read it.
         """
-        index = self.device.index
-        error, info = None, None
         if not (tensor.is_cuda and tensor.device == self.device and tensor.is_contiguous()):
-            error = f"needs a contiguous tensor on {self.device}, got {tensor.device}"
+            buffer = f"needs a contiguous tensor on {self.device}, got {tensor.device}"
         else:
-            ptr = tensor.data_ptr()
-            nbytes = tensor.numel() * tensor.element_size()
-            try:
-                if not _C.cuda_ipc_exportable(index, ptr):
-                    error = (
-                        "memory cannot be exported with legacy CUDA IPC (expandable segments "
-                        "or a cudaMallocAsync pool?)"
-                    )
-                else:
-                    base, _ = _C.cuda_address_range(index, ptr)
-                    info = (_C.cuda_ipc_handle(index, base), ptr - base, nbytes, ptr % 16)
-            except RuntimeError as e:
-                error = str(e)
-        infos = _gather((error, info), self._group)
-        _agree_all([e for e, _ in infos], "exporting the buffer to register")
-        # Every rank sees the same `infos`, so the checks below agree too.
-        sizes = {i[2] for _, i in infos}
-        if len(sizes) != 1:
-            raise RegistrationError(f"pyallreduce: register got buffers of different sizes {sizes}")
-        if any(i[3] for _, i in infos):
-            raise RegistrationError("pyallreduce: register needs 16-byte aligned buffers on every rank")
-
-        addrs, error = [], None
-        try:
-            for q, (_, (handle, offset, _, _)) in enumerate(infos):
-                addrs.append(tensor.data_ptr() if q == self.rank else self._open(handle) + offset)
-        except RuntimeError as e:
-            error = str(e)
-        _agree(error, self._group, "mapping the peers' registered buffers")
+            buffer = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        (addrs,) = self.share_buffers([buffer])
+        if isinstance(addrs, str):
+            raise RegistrationError(f"pyallreduce: register: {addrs}")
         self._registered.append(tensor)
         return addrs
+
+    def share_buffers(self, buffers):
+        """Collective: maps every rank's buffers[i] into every rank.
+
+        buffers: this rank's (address, nbytes) per buffer, or a string saying
+        why it cannot be shared; every rank passes the same number, rank q's
+        buffers[i] corresponding to everyone's buffers[i]. Returns per buffer
+        either every rank's address of it as mapped here (own included) or why
+        it cannot be read in place; the verdicts are the same on every rank.
+        Raises RegistrationError on every rank if mapping failed anywhere.
+        Keeping the memory alive while peers may read it is the caller's part.
+        """
+        exported = [buf if isinstance(buf, str) else self._export(*buf) for buf in buffers]
+        every = _gather(exported, self._group)
+        counts = {len(e) for e in every}
+        if len(counts) != 1:
+            raise RegistrationError(f"pyallreduce: ranks shared different numbers of buffers {sorted(counts)}")
+        verdicts = [buffer_verdict([e[i] for e in every]) for i in range(len(buffers))]
+
+        results, error = [], None
+        try:
+            for i, reason in enumerate(verdicts):
+                if reason is not None:
+                    results.append(reason)
+                    continue
+                results.append([buffers[i][0] if q == self.rank else self._open(e[i][0]) + e[i][1]
+                                for q, e in enumerate(every)])
+        except RuntimeError as e:
+            error = str(e)
+        _agree(error, self._group, "mapping the peers' buffers")
+        return results
+
+    def _export(self, ptr, nbytes):
+        """(IPC handle of ptr's allocation, ptr's offset in it, nbytes), or why not."""
+        index = self.device.index
+        try:
+            if not _C.cuda_ipc_exportable(index, ptr):
+                return ("memory cannot be exported with legacy CUDA IPC (expandable segments "
+                        "or a cudaMallocAsync pool?)")
+            base, _ = _C.cuda_address_range(index, ptr)
+            return (_C.cuda_ipc_handle(index, base), ptr - base, nbytes)
+        except RuntimeError as e:
+            return str(e)
 
     def close(self, sync=True):
         """Unmaps the peers and frees the own region.
