@@ -28,7 +28,7 @@ CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
 # Graph-table entries per block (72 bytes of device memory each): one
 # comm.capture() can make at least half a block of captured calls zero copy.
 GRAPH_TABLE_BLOCK = 8192
-CAPTURE_ABORTED = "aborted"  # what a rank whose capture failed tells the others at exit
+CAPTURE_ABORTED = "its capture raised"  # what a rank whose capture failed tells the others at exit
 HOSTNAME_ENV = "PYALLREDUCE_HOSTNAME"  # overrides the host identity (tests simulate several hosts)
 DEBUG_ENV = "PYALLREDUCE_DEBUG"
 
@@ -263,7 +263,9 @@ class Communicator:
                                f"{self.device}")
         if self._capturing:
             raise RuntimeError("pyallreduce: comm.capture() is already open; do not nest it")
-        _check_not_capturing("enter comm.capture() before torch.cuda.graph(...), not inside it")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("pyallreduce: enter comm.capture() before torch.cuda.graph(...), not inside it: "
+                               "the captured calls are registered when it exits, which talks to the other ranks")
         table = self._handle is not None and self.backend == "cuda"  # the CUDA kernels' graph table
         if table:
             self._open_graph_table()
@@ -298,34 +300,44 @@ class Communicator:
 
     def _register_captured(self, aborted):
         """Collective, at capture() exit: makes the captured calls that have a
-        graph entry on every rank zero copy on every rank, or on none. After a
-        failed capture (aborted) this rank only tells the others, so that none
-        waits for it; the original exception then propagates."""
-        calls, calls_without_entry = _C.cuda_graph_capture_end(self._handle)
+        graph entry on every rank zero copy on every rank, or on none. Every
+        rank makes the same gathers whatever happens here: a rank whose capture
+        failed (aborted) or that cannot take part says so in the first one and
+        every other rank raises, instead of some waiting for the others."""
+        calls, calls_without_entry, problem = [], 0, CAPTURE_ABORTED if aborted else None
+        try:
+            calls, calls_without_entry = _C.cuda_graph_capture_end(self._handle)
+            if torch.cuda.is_current_stream_capturing():
+                problem = problem or ("leave comm.capture() after the torch.cuda.graph(...) capture "
+                                      "ended, not inside it")
+        except RuntimeError as e:
+            problem = problem or str(e)
         every = [None] * self.world_size
+        # Per call: (bytes, in place, algo, dtype, average, has an entry here).
+        mine = problem or [(*signature, slot >= 0) for slot, _, *signature in calls]
+        dist.all_gather_object(every, mine, group=self.group)
         if aborted:
-            dist.all_gather_object(every, CAPTURE_ABORTED, group=self.group)
-            return
-        _check_not_capturing("leave comm.capture() after the torch.cuda.graph(...) capture ended")
-        if calls_without_entry:
-            log_once(f"{calls_without_entry} captured calls keep the staging copy: more than "
-                     f"{GRAPH_TABLE_BLOCK // 2} in one comm.capture() may not all get a graph entry")
-        dist.all_gather_object(every, [(nbytes, in_place, slot >= 0) for slot, _, nbytes, in_place in calls],
-                               group=self.group)
+            return  # the capture's own error propagates
         mismatch = captures_mismatch(every)
         if mismatch:
             raise RuntimeError(mismatch)
+        if calls_without_entry:
+            log_once(f"{calls_without_entry} captured calls keep the staging copy: more than "
+                     f"{GRAPH_TABLE_BLOCK // 2} in one comm.capture() may not all get a graph entry")
         # A call is zero copy only where every rank could give it an entry
         # (an input a rank had to copy for alignment has none there).
-        zero_copy = [k for k in range(len(calls)) if all(e[k][2] for e in every)]
+        zero_copy = [k for k in range(len(calls)) if all(e[k][-1] for e in every)]
         if not zero_copy:
             return
-        # No kernel of ours may read an entry while it changes, on any rank.
-        torch.cuda.synchronize(self.device)
+        buffers = [(calls[k][1], calls[k][2]) for k in zero_copy]
+        try:  # no kernel of ours may read an entry while it changes, on any rank
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as e:  # the peers still take part in the exchange below
+            buffers = [f"synchronising the device failed: {e}"] * len(zero_copy)
         from .transport.cuda_ipc import RegistrationError
 
         try:
-            shared = self._transport.share_buffers([calls[k][1:3] for k in zero_copy])
+            shared = self._transport.share_buffers(buffers)
         except RegistrationError as e:  # raised on every rank alike
             log_once(f"the captured calls keep the staging copy: {e}")
             return
@@ -528,25 +540,20 @@ class Communicator:
 
 def captures_mismatch(every):
     """None, or the error for ranks whose captures inside comm.capture() differ.
-    every[q]: rank q's (bytes, in place, has a graph entry) per captured call,
-    or CAPTURE_ABORTED if its capture failed."""
-    aborted = [q for q, calls in enumerate(every) if calls == CAPTURE_ABORTED]
-    if aborted:
-        return (f"pyallreduce: the capture failed on ranks {aborted}; do not replay this graph on the "
-                "other ranks: its calls would wait for ranks that never replay")
-    if all([c[:2] for c in calls] == [c[:2] for c in every[0]] for calls in every):
+    every[q]: rank q's (bytes, in place, algo, dtype, average, has an entry)
+    per captured call, or why rank q cannot take part (CAPTURE_ABORTED: its
+    capture raised)."""
+    failed = [f"rank {q}: {calls}" for q, calls in enumerate(every) if isinstance(calls, str)]
+    if failed:
+        return ("pyallreduce: comm.capture() failed on " + "; ".join(failed) + ". Do not replay this "
+                "graph on the other ranks: its calls would wait for ranks that never replay")
+    if all([c[:-1] for c in calls] == [c[:-1] for c in every[0]] for calls in every):
         return None
-    rows = "\n".join(f"  rank {q}: {len(calls)} calls, (bytes, in place) of the first: "
-                     f"{[c[:2] for c in calls[:3]]}" for q, calls in enumerate(every))
+    rows = "\n".join(f"  rank {q}: {len(calls)} calls, (bytes, in place, algo, dtype, avg) of the first: "
+                     f"{[c[:-1] for c in calls[:3]]}" for q, calls in enumerate(every))
     return ("pyallreduce: the ranks captured different all_reduce calls inside comm.capture(); every "
             "rank must capture the same calls in the same order, or the replays wait for each other "
             f"until the deadline:\n{rows}")
-
-
-def _check_not_capturing(what):
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"pyallreduce: {what}: the captured calls are registered when "
-                           "comm.capture() exits, which talks to the other ranks")
 
 
 def _eager(tensor):

@@ -198,8 +198,9 @@ def check_graph(rank, world):
 
 def check_graph_reads_inputs_in_place(rank, world):
     """After comm.capture() exits, replays of a captured out-of-place one-shot
-    call read every rank's input in place: this rank's staging buffers, filled
-    with a marker, stay untouched while the sums stay right."""
+    call and of an in-place two-shot call read every rank's input in place:
+    this rank's staging buffers, filled with a marker, stay untouched while
+    the sums stay right."""
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
@@ -208,17 +209,21 @@ def check_graph_reads_inputs_in_place(rank, world):
         dtype = torch.float32
         numel = 3 * CHUNK_BYTES // 4 + 1
         x = on_gpu(exact_input(numel, rank, dtype))
+        y = x.clone()
         graph = torch.cuda.CUDAGraph()
         with comm.capture():
             with torch.cuda.graph(graph):
                 out = comm.all_reduce(x, algo="one_shot")
+                comm.all_reduce_(y, algo="two_shot")
         staging = comm._transport.regions[rank] + _C.DATA_OFFSET
         marker = torch.full((2 * comm.max_bytes,), 0xA5, dtype=torch.uint8)
         _C.cuda_memcpy(0, staging, marker.data_ptr(), marker.numel())
         for it in range(10):
             x.copy_(on_gpu(exact_input(numel, rank, dtype, it)))
+            y.copy_(x)
             graph.replay()
-            if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, it)):
+            want = exact_sum(numel, world, dtype, it)
+            if not (torch.equal(out.cpu(), want) and torch.equal(y.cpu(), want)):
                 failures.append(("sum", it))
         torch.cuda.synchronize()
         dist.barrier()
@@ -228,6 +233,41 @@ def check_graph_reads_inputs_in_place(rank, world):
             failures.append("the replays wrote the staging buffer: not zero copy")
         del graph
     assert not failures, f"rank {rank}: {failures}"
+
+
+def check_graph_table_blocks(rank, world):
+    """Graph tables of 4 entries: a second capture starts a new block (leaving
+    a hole), a capture with more calls than free entries keeps the rest
+    staged; every replay is still right."""
+    from pyallreduce import communicator
+
+    torch.cuda.set_device(0)
+    communicator.GRAPH_TABLE_BLOCK = 4
+    failures = []
+    with make_comm() as comm:
+        dtype = torch.float32
+        numel = CHUNK_BYTES // 4 + 3
+        graphs = []
+        for ncalls in (3, 5):  # slots 0-2; then a new block: slots 4-7 and one call without
+            xs = [on_gpu(exact_input(numel, rank, dtype, k)) for k in range(ncalls)]
+            graph = torch.cuda.CUDAGraph()
+            with comm.capture():
+                with torch.cuda.graph(graph):
+                    outs = [comm.all_reduce(x, algo=ALGOS[k % 2]) for k, x in enumerate(xs)]
+            graphs.append((graph, xs, outs))
+        modes = _C.cuda_graph_entry_modes(comm._handle)
+        if modes != [1] * 7:
+            failures.append(("graph entries", modes))
+        for it in range(5):
+            for graph, xs, outs in graphs:
+                for k, x in enumerate(xs):
+                    x.copy_(on_gpu(exact_input(numel, rank, dtype, 10 * it + k)))
+                graph.replay()
+                for k, out in enumerate(outs):
+                    if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, 10 * it + k)):
+                        failures.append((len(xs), k, it))
+        del graphs
+    assert not failures, f"rank {rank}: {failures[:10]}"
 
 
 # ---- zero-copy (registered) buffers -----------------------------------------------------
@@ -314,8 +354,8 @@ def check_back_to_back(rank, world):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
 
 
-CHECKS = (check_eager, check_random_floats, check_graph, check_graph_reads_inputs_in_place, check_registered,
-          check_back_to_back)
+CHECKS = (check_eager, check_random_floats, check_graph, check_graph_reads_inputs_in_place, check_graph_table_blocks,
+          check_registered, check_back_to_back)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

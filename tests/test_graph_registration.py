@@ -28,26 +28,32 @@ def test_buffers_off_16_byte_alignment_stay_staged():
         "the buffers of ranks [0, 2] are not 16-byte aligned"
 
 
+def call(nbytes, in_place=False, has_entry=True, algo=0, dtype="Float", average=False):
+    """One captured call as a rank reports it at capture() exit."""
+    return (nbytes, in_place, algo, dtype, average, has_entry)
+
+
 def test_same_captured_calls_on_every_rank_pass():
-    calls = [(4096, False, True), (512, True, True)]
+    calls = [call(4096), call(512, in_place=True, algo=1)]
     assert captures_mismatch([calls, list(calls), list(calls)]) is None
     assert captures_mismatch([[], []]) is None
     # Whether a rank could give a call an entry is not part of the match.
-    assert captures_mismatch([[(64, False, True)], [(64, False, False)]]) is None
+    assert captures_mismatch([[call(64)], [call(64, has_entry=False)]]) is None
 
 
 def test_different_captured_calls_are_an_error_showing_every_rank():
-    error = captures_mismatch([[(4096, False, True)], [(4096, False, True), (64, False, False)]])
+    error = captures_mismatch([[call(4096)], [call(4096), call(64)]])
     assert "ranks captured different all_reduce calls" in error
     assert "rank 0: 1 calls" in error and "rank 1: 2 calls" in error
-    # Same count, different size or a call in place on one rank only.
-    assert captures_mismatch([[(4096, False, True)], [(2048, False, True)]]) is not None
-    assert captures_mismatch([[(64, True, True)], [(64, False, True)]]) is not None
+    # Same count, but any property of a call differs on one rank.
+    for other in (call(2048), call(4096, in_place=True), call(4096, algo=1), call(4096, dtype="Half"),
+                  call(4096, average=True)):
+        assert captures_mismatch([[call(4096)], [other]]) is not None, other
 
 
 def test_a_capture_that_failed_on_a_rank_is_an_error_on_the_others():
-    error = captures_mismatch([[(4096, False, True)], CAPTURE_ABORTED, [(4096, False, True)]])
-    assert "the capture failed on ranks [1]" in error
+    error = captures_mismatch([[call(4096)], CAPTURE_ABORTED, [call(4096)]])
+    assert f"comm.capture() failed on rank 1: {CAPTURE_ABORTED}" in error
 
 
 # ---- the exchange at capture() exit, across processes, with the CUDA calls stubbed --------
@@ -65,14 +71,17 @@ def input_address(rank, call):
 class FakeGraphTable:
     """What this rank's C++ graph table is told, in place of pyallreduce._C."""
 
-    def __init__(self, calls, fail_set=False):
-        self.calls, self.fail_set = calls, fail_set
+    def __init__(self, calls, fail_set=False, fail_begin=False):
+        self.calls, self.fail_set, self.fail_begin = calls, fail_set, fail_begin
         self.opened, self.entries, self.reset = False, None, None
 
     def cuda_graph_capture_begin(self, handle, block_entries):
+        if self.fail_begin:
+            raise RuntimeError("cudaMalloc failed")
         self.opened = True
 
     def cuda_graph_capture_end(self, handle):
+        self.opened = False
         return self.calls, 0
 
     def cuda_graph_set_entries(self, handle, slots, peer_ptrs):
@@ -84,10 +93,10 @@ class FakeGraphTable:
         self.reset = list(slots)
 
 
-def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, aborted=False):
-    """Runs `with comm.capture():` on this rank as if it captured `captured`:
-    [(nbytes, in_place, has_entry)]; the body raises if `aborted`. Returns
-    (entries set, entries reset, error text)."""
+def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, aborted=False, fail_begin_on=None):
+    """Runs `with comm.capture():` on this rank as if it captured `captured`
+    (call(...) tuples); the body raises if `aborted`. Returns (entries set,
+    entries reset, error text)."""
     from unittest import mock
 
     import torch
@@ -96,9 +105,8 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     from pyallreduce import communicator
     from pyallreduce.transport import cuda_ipc
 
-    calls = [(10 + k if has_entry else -1, input_address(rank, k), nbytes, in_place)
-             for k, (nbytes, in_place, has_entry) in enumerate(captured)]
-    table = FakeGraphTable(calls, fail_set=rank == fail_set_on)
+    calls = [(10 + k if c[-1] else -1, input_address(rank, k), *c[:-1]) for k, c in enumerate(captured)]
+    table = FakeGraphTable(calls, fail_set=rank == fail_set_on, fail_begin=rank == fail_begin_on)
     transport = object.__new__(cuda_ipc.CudaIpcTransport)
     transport.rank, transport._group, transport._opened = rank, dist.group.WORLD, {}
 
@@ -117,7 +125,7 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
     error = None
     with mock.patch.object(communicator, "_C", table), \
-            mock.patch.object(communicator, "_check_not_capturing", lambda what: None), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False), \
             mock.patch.object(torch.cuda, "synchronize", lambda device=None: None):
         try:
             with comm.capture():
@@ -126,7 +134,7 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
                     raise ValueError("the capture's own error")
         except (RuntimeError, ValueError) as e:
             error = str(e)
-    assert not comm._capturing
+    assert not comm._capturing and not table.opened
     return table.entries, table.reset, error
 
 
@@ -137,7 +145,7 @@ def peers(call, world, own_rank):
 
 
 def test_captured_buffers_get_every_ranks_address_on_every_rank():
-    captured = [(4096, False, True), (512, True, True)]
+    captured = [call(4096), call(512, in_place=True, algo=1)]
     results = run_ranks(exit_capture, 3, captured)
     for rank, (entries, reset, error) in enumerate(results):
         assert error is None and reset is None
@@ -145,7 +153,7 @@ def test_captured_buffers_get_every_ranks_address_on_every_rank():
 
 
 def test_a_buffer_one_rank_cannot_export_stays_staged_on_every_rank():
-    results = run_ranks(exit_capture, 2, [(4096, False, True), (4096, False, True)], {(1, 0)})
+    results = run_ranks(exit_capture, 2, [call(4096), call(4096)], {(1, 0)})
     for rank, (entries, reset, error) in enumerate(results):
         assert error is None
         assert entries == {11: peers(1, 2, rank)}, "call 0 must stay staged on both ranks"
@@ -159,7 +167,7 @@ def test_a_call_without_an_entry_on_one_rank_stays_staged_on_every_rank():
 
 
 def exit_capture_one_without_entry(rank, world):
-    return exit_capture(rank, world, [(4096, False, rank == 0), (64, False, True)])
+    return exit_capture(rank, world, [call(4096, has_entry=rank == 0), call(64)])
 
 
 def test_ranks_that_captured_different_calls_all_raise_and_stay_staged():
@@ -169,21 +177,34 @@ def test_ranks_that_captured_different_calls_all_raise_and_stay_staged():
 
 
 def exit_capture_differently(rank, world):
-    return exit_capture(rank, world, [(4096, False, True)] if rank == 0 else [(2048, False, True)])
+    return exit_capture(rank, world, [call(4096)] if rank == 0 else [call(4096, algo=1)])
 
 
 def test_a_capture_that_failed_on_one_rank_makes_the_others_raise_instead_of_waiting():
     results = run_ranks(exit_capture_failed_on_rank_1, 2, timeout=60)
-    assert results[0][0] is None and "the capture failed on ranks [1]" in results[0][2]
+    assert results[0][0] is None and f"comm.capture() failed on rank 1: {CAPTURE_ABORTED}" in results[0][2]
     assert results[1] == (None, None, "the capture's own error"), "the failed rank's own error propagates"
 
 
 def exit_capture_failed_on_rank_1(rank, world):
-    return exit_capture(rank, world, [(4096, False, True)], aborted=rank == 1)
+    return exit_capture(rank, world, [call(4096)], aborted=rank == 1)
 
 
 def test_a_rank_failing_to_write_its_entries_makes_every_rank_raise_and_reset():
-    results = run_ranks(exit_capture, 2, [(4096, False, True)], (), 1)
+    results = run_ranks(exit_capture, 2, [call(4096)], (), 1)
     for rank, (entries, reset, error) in enumerate(results):
         assert "registering the captured buffers failed on rank 1: cudaMemcpy failed" in error
         assert reset == [10], f"rank {rank} must put its entry back to staged"
+
+
+def test_a_graph_table_that_fails_to_open_on_one_rank_is_an_error_on_every_rank():
+    results = run_ranks(exit_capture_begin_fails_on_rank_1, 2)
+    for entries, reset, error in results:
+        assert entries is None
+        assert "could not open the graph table on rank 1: cudaMalloc failed" in error
+    # exit_capture also asserts that rank 0 closed the table it had opened.
+
+
+def exit_capture_begin_fails_on_rank_1(rank, world):
+    return exit_capture(rank, world, [call(4096)], fail_begin_on=1)
+

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "../common/op_args.h"
@@ -32,12 +33,16 @@ struct Registration {
   std::array<int64_t, kMaxRanks> peers{};  // every rank's buffer as mapped here
 };
 
-// A call captured inside comm.capture(), until it exits.
+// A call captured inside comm.capture(), until it exits. The ranks compare
+// everything after `input` (a replay pairs calls by position).
 struct CapturedCall {
   int64_t slot;   // its graph-table entry, or -1 (not eligible, or no free entry)
   int64_t input;  // this rank's input address
   int64_t nbytes;
   bool in_place;
+  int64_t algo;
+  std::string dtype;
+  bool average;
 };
 
 // The graph table (cuda::GraphEntry, explained in all_reduce.cuh): entries for
@@ -142,7 +147,8 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % cuda::kVec
 // nullptr (eager call, not eligible, or no free entry). Records every captured
 // call so comm.capture() can check that the ranks captured the same ones.
 const cuda::GraphEntry* graph_entry_for(const Context& ctx, cudaStream_t stream, bool eligible,
-                                        const char* input, int64_t bytes, bool in_place) {
+                                        const at::Tensor& tensor, const char* input, int64_t bytes,
+                                        bool in_place, int64_t algo, bool average) {
   if (open_graph_tables.load(std::memory_order_relaxed) == 0) return nullptr;  // eager calls stop here
   std::lock_guard<std::mutex> lock(buffers_mutex);
   ContextBuffers* table = buffers_of(&ctx);
@@ -160,7 +166,8 @@ const cuda::GraphEntry* graph_entry_for(const Context& ctx, cudaStream_t stream,
   } else if (eligible) {
     ++graph.calls_without_entry;
   }
-  graph.captured.push_back({slot, reinterpret_cast<int64_t>(input), bytes, in_place});
+  graph.captured.push_back({slot, reinterpret_cast<int64_t>(input), bytes, in_place, algo,
+                            c10::toString(tensor.scalar_type()), average});
   if (slot < 0) return nullptr;
   return graph.blocks[slot / graph.block_entries].device + slot % graph.block_entries;
 }
@@ -227,12 +234,13 @@ void graph_capture_begin(int64_t handle, int64_t block_entries) {
     TORCH_CHECK(graph.blocks.empty() || graph.block_entries == block_entries,
                 "pyallreduce: graph table blocks cannot change size");
     const int64_t capacity = static_cast<int64_t>(graph.blocks.size()) * block_entries;
-    need_block = capacity - graph.next_slot < block_entries / 2;
+    need_block = graph.blocks.empty() || capacity - graph.next_slot < (block_entries + 1) / 2;
   }
   GraphBlock block;
   if (need_block) block = allocate_block(ctx->device, block_entries);  // not under the lock
   std::lock_guard<std::mutex> lock(buffers_mutex);
   GraphTable& graph = buffers_for(ctx).graph;
+  TORCH_CHECK(!graph.open, "pyallreduce: comm.capture() is already open on this communicator");
   if (need_block) {
     graph.device_index = ctx->device;
     graph.block_entries = block_entries;
@@ -257,7 +265,7 @@ GraphCapture graph_capture_end(int64_t handle) {
   graph.open = false;
   open_graph_tables.fetch_sub(1);
   for (const CapturedCall& c : graph.captured) {
-    result.calls.emplace_back(c.slot, c.input, c.nbytes, c.in_place);
+    result.calls.emplace_back(c.slot, c.input, c.nbytes, c.in_place, c.algo, c.dtype, c.average);
   }
   result.calls_without_entry = graph.calls_without_entry;
   graph.captured.clear();
@@ -419,8 +427,8 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   const bool zero_copy_possible = call.mode == cuda::kStaged && !input_tmp.defined() &&
                                   !out_tmp.defined() &&
                                   (disjoint || (in_place && algo == kTwoShot));
-  call.graph_entry =
-      graph_entry_for(ctx, stream, zero_copy_possible, in_ptr, bytes, in_place);
+  call.graph_entry = graph_entry_for(ctx, stream, zero_copy_possible, input, in_ptr, bytes,
+                                     in_place, algo, average);
 
   bool launched = false;
   switch (input.scalar_type()) {

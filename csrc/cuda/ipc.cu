@@ -234,7 +234,8 @@ void bind_cuda_ipc(pybind11::module_& m) {
         return std::make_tuple(c.calls, c.calls_without_entry);
       },
       py::arg("handle"),
-      "closes it: ([(slot or -1, input, nbytes, in_place)] per captured call, calls_without_entry)");
+      "closes it: ([(slot or -1, input, nbytes, in_place, algo, dtype, average)] per captured "
+      "call, calls_without_entry)");
   m.def("cuda_graph_set_entries", &graph_set_entries, py::arg("handle"), py::arg("slots"),
         py::arg("peer_ptrs"), "makes those captured calls zero copy");
   m.def("cuda_graph_reset_entries", &graph_reset_entries, py::arg("handle"), py::arg("slots"));

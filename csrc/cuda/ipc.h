@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -40,9 +41,10 @@ bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes);
 // begin allocates a new block of block_entries entries when needed.
 void graph_capture_begin(int64_t handle, int64_t block_entries);
 // Every call captured since begin: (entry slot or -1, input address, bytes,
-// in place), and how many eligible calls found no free entry.
+// in place, algo, dtype, average), and how many eligible calls found no free
+// entry.
 struct GraphCapture {
-  std::vector<std::tuple<int64_t, int64_t, int64_t, bool>> calls;
+  std::vector<std::tuple<int64_t, int64_t, int64_t, bool, int64_t, std::string, bool>> calls;
   int64_t calls_without_entry = 0;
 };
 GraphCapture graph_capture_end(int64_t handle);
