@@ -6,14 +6,18 @@ process group already initialised. It returns the list of fn's return values
 (picklable), in rank order. If any rank raises, exits, or the whole run passes
 `timeout` seconds, every child is killed and the test fails with each failing
 rank's traceback. It never hangs.
+
+Each rank reports through its own pipe, not a multiprocessing.Queue: a queue's
+named semaphores live in /dev/shm and stay there when the test process is
+killed outright (a CI timeout kills the whole process group).
 """
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import socket
 import time
 import traceback
+from multiprocessing.connection import wait
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -24,7 +28,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, env, results, args):
+def _rank_main(fn, rank, world_size, port, env, report, args):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -36,9 +40,9 @@ def _rank_main(fn, rank, world_size, port, env, results, args):
         # would pass tensors as shared-memory file descriptors that the parent fetches
         # from this process later, which fails once this process has exited.
         value = pickle.dumps(fn(rank, world_size, *args))
-        results.put((rank, "ok", value))
+        report.send(("ok", value))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        report.send(("error", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
@@ -62,40 +66,32 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
     ranks report no result and their exit code must match.
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (read end, write end) per rank
     port = free_port()
     env = dict(env or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     expect_exit = dict(expect_exit or {})
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, env, results, args), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, env, pipes[r][1], args), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
+    for _, write_end in pipes:
+        write_end.close()  # the children hold them now: a rank that dies shows as end of file
     outcomes = {}
+    waiting = {pipes[r][0]: r for r in range(world_size) if r not in expect_exit}
     deadline = time.monotonic() + timeout
     try:
-        while len(outcomes) < world_size - len(expect_exit):
+        while waiting and not any(status == "error" for status, _ in outcomes.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outcomes) - set(expect_exit))
-                raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s")
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 0.5))
-                outcomes[rank] = (status, value)
-                if status == "error":
-                    break
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in outcomes and r not in expect_exit and p.exitcode is not None]
-                if dead:
-                    time.sleep(0.5)  # its report may still be in flight
-                    while not results.empty():
-                        rank, status, value = results.get()
-                        outcomes[rank] = (status, value)
-                    dead = [r for r in dead if r not in outcomes]
-                    if dead:
-                        raise RankFailure(f"ranks {dead} exited with codes "
-                                          f"{[procs[r].exitcode for r in dead]} without reporting")
+                raise RankFailure(f"ranks {sorted(waiting.values())} did not finish within {timeout:.0f} s")
+            for conn in wait(list(waiting), timeout=min(remaining, 0.5)):
+                r = waiting.pop(conn)
+                try:
+                    outcomes[r] = conn.recv()
+                except EOFError:
+                    procs[r].join(timeout=5)
+                    raise RankFailure(f"ranks {[r]} exited with codes {[procs[r].exitcode]} without reporting") from None
         errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
             raise RankFailure("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
@@ -112,5 +108,5 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
                 p.kill()
         for p in procs:
             p.join(timeout=5)
-        results.close()
-        results.join_thread()
+        for read_end, _ in pipes:
+            read_end.close()

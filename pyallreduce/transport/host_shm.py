@@ -25,8 +25,8 @@ class HostShmTransport:
 
     Segments are created exclusively with mode 0600 under an unguessable name,
     and unlinked as soon as every rank has mapped them, so nothing stays in
-    /dev/shm once the processes are gone, however they end (the memory lives as
-    long as a mapping does).
+    /dev/shm once the processes are gone (the memory lives as long as a mapping
+    does), unless every rank is killed outright between creating and unlinking.
     """
 
     def __init__(self, group, max_bytes):
