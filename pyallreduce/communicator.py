@@ -227,7 +227,7 @@ class Communicator:
         line, and returns False; so do the other backends, which always copy.
         """
         self._check_tensor(tensor, "tensor")
-        if self._handle is None or self.backend != "cuda":
+        if not self._cuda_kernels:
             return False
         from .transport.cuda_ipc import RegistrationError
 
@@ -266,7 +266,7 @@ class Communicator:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("pyallreduce: enter comm.capture() before torch.cuda.graph(...), not inside it: "
                                "the captured calls are registered when it exits, which talks to the other ranks")
-        table = self._handle is not None and self.backend == "cuda"  # the CUDA kernels' graph table
+        table = self._cuda_kernels  # read once: a close() inside must not change what the exit does
         if table:
             self._open_graph_table()
         self._capturing = True
@@ -284,19 +284,19 @@ class Communicator:
 
     def _open_graph_table(self):
         """Collective: opens the graph table on every rank, or on none."""
+        from .transport.cuda_ipc import agree
+
         error = None
         try:
             _C.cuda_graph_capture_begin(self._handle, GRAPH_TABLE_BLOCK)
         except RuntimeError as e:
             error = str(e)
-        errors = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
-        failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
-        if failed:
+        try:
+            agree(error, self.group, "opening the graph table for comm.capture()", RuntimeError)
+        except RuntimeError:
             if error is None:
-                _C.cuda_graph_capture_end(self._handle)
-            raise RuntimeError("pyallreduce: comm.capture() could not open the graph table on "
-                               + "; ".join(failed))
+                _C.cuda_graph_capture_end(self._handle)  # opened here, but not on every rank
+            raise
 
     def _register_captured(self, aborted):
         """Collective, at capture() exit: makes the captured calls that have a
@@ -304,6 +304,8 @@ class Communicator:
         rank makes the same gathers whatever happens here: a rank whose capture
         failed (aborted) or that cannot take part says so in the first one and
         every other rank raises, instead of some waiting for the others."""
+        from .transport.cuda_ipc import RegistrationError, agree, gather
+
         calls, calls_without_entry, problem = [], 0, CAPTURE_ABORTED if aborted else None
         try:
             calls, calls_without_entry = _C.cuda_graph_capture_end(self._handle)
@@ -312,10 +314,8 @@ class Communicator:
                                       "ended, not inside it")
         except RuntimeError as e:
             problem = problem or str(e)
-        every = [None] * self.world_size
         # Per call: (bytes, in place, algo, dtype, average, has an entry here).
-        mine = problem or [(*signature, slot >= 0) for slot, _, *signature in calls]
-        dist.all_gather_object(every, mine, group=self.group)
+        every = gather(problem or [(*signature, slot >= 0) for slot, _, *signature in calls], self.group)
         if aborted:
             return  # the capture's own error propagates
         mismatch = captures_mismatch(every)
@@ -334,8 +334,6 @@ class Communicator:
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:  # the peers still take part in the exchange below
             buffers = [f"synchronising the device failed: {e}"] * len(zero_copy)
-        from .transport.cuda_ipc import RegistrationError
-
         try:
             shared = self._transport.share_buffers(buffers)
         except RegistrationError as e:  # raised on every rank alike
@@ -350,12 +348,11 @@ class Communicator:
             _C.cuda_graph_set_entries(self._handle, slots, [a for a in shared if not isinstance(a, str)])
         except RuntimeError as e:
             error = str(e)
-        errors = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)  # also: nobody replays before all wrote
-        failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
-        if failed:
+        try:  # also: nobody replays before every rank wrote
+            agree(error, self.group, "registering the captured buffers", RuntimeError)
+        except RuntimeError:
             _C.cuda_graph_reset_entries(self._handle, slots)  # staged again, like every other rank
-            raise RuntimeError("pyallreduce: registering the captured buffers failed on " + "; ".join(failed))
+            raise
 
     def close(self):
         """Releases the mapped memory. Safe to call twice. On CUDA it is
@@ -368,9 +365,9 @@ class Communicator:
             return
         self._closed = True
         _live.discard(self)
+        if self._cuda_kernels:
+            _C.cuda_clear_buffers(self._handle)
         if self._handle is not None:
-            if self.backend == "cuda":
-                _C.cuda_clear_buffers(self._handle)
             _C.destroy_context(self._handle)
             self._handle = None
         if self._transport is not None:
@@ -379,6 +376,11 @@ class Communicator:
                 transport.close(sync=sync)
             else:
                 transport.close()
+
+    @property
+    def _cuda_kernels(self):
+        """Whether calls run the CUDA C++ kernels (zero copy and graph tables are theirs)."""
+        return self._handle is not None and self.backend == "cuda"
 
     @property
     def closed(self):

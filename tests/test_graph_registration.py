@@ -201,7 +201,7 @@ def test_a_graph_table_that_fails_to_open_on_one_rank_is_an_error_on_every_rank(
     results = run_ranks(exit_capture_begin_fails_on_rank_1, 2)
     for entries, reset, error in results:
         assert entries is None
-        assert "could not open the graph table on rank 1: cudaMalloc failed" in error
+        assert "opening the graph table for comm.capture() failed on rank 1: cudaMalloc failed" in error
     # exit_capture also asserts that rank 0 closed the table it had opened.
 
 

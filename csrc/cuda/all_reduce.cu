@@ -143,6 +143,22 @@ bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&pe
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % cuda::kVecBytes == 0; }
 
+// Every rank's address of one buffer, as mapped here, for zero-copy reads
+// (register() and graph entries): one per rank, this rank's is its own
+// buffer, all 16-byte aligned for the kernels' vectors.
+void check_peer_addresses(const Context& ctx, const std::vector<int64_t>& ptrs, int64_t own,
+                          const std::string& what) {
+  TORCH_CHECK(static_cast<int>(ptrs.size()) == ctx.world_size, "pyallreduce: ", what, " got ",
+              ptrs.size(), " addresses for world size ", ctx.world_size);
+  TORCH_CHECK(ptrs[ctx.rank] == own, "pyallreduce: ", what,
+              ": this rank's address must be its own buffer");
+  for (int q = 0; q < ctx.world_size; ++q) {
+    TORCH_CHECK(ptrs[q] != 0 && aligned(reinterpret_cast<const void*>(ptrs[q])),
+                "pyallreduce: ", what, ": rank ", q, "'s buffer is not ", cuda::kVecBytes,
+                "-byte aligned");
+  }
+}
+
 // For a call being captured inside comm.capture(): its graph-table entry, or
 // nullptr (eager call, not eligible, or no free entry). Records every captured
 // call so comm.capture() can check that the ranks captured the same ones.
@@ -284,16 +300,9 @@ void graph_set_entries(int64_t handle, const std::vector<int64_t>& slots,
     const std::vector<int64_t>& ptrs = peer_ptrs[i];
     TORCH_CHECK(slot >= 0 && slot < graph.next_slot && graph.input[slot] != 0,
                 "pyallreduce: graph entry ", slot, " was never used");
-    TORCH_CHECK(static_cast<int>(ptrs.size()) == ctx->world_size, "pyallreduce: graph entry ", slot,
-                " got ", ptrs.size(), " addresses for world size ", ctx->world_size);
-    TORCH_CHECK(ptrs[ctx->rank] == graph.input[slot], "pyallreduce: graph entry ", slot,
-                ": this rank's address must be the captured input itself");
+    check_peer_addresses(*ctx, ptrs, graph.input[slot], "graph entry " + std::to_string(slot));
     cuda::GraphEntry entry{};
-    for (int q = 0; q < ctx->world_size; ++q) {
-      TORCH_CHECK(ptrs[q] != 0 && ptrs[q] % cuda::kVecBytes == 0, "pyallreduce: rank ", q,
-                  "'s buffer for graph entry ", slot, " is not ", cuda::kVecBytes, "-byte aligned");
-      entry.registered[q] = reinterpret_cast<const char*>(ptrs[q]);
-    }
+    for (int q = 0; q < ctx->world_size; ++q) entry.registered[q] = reinterpret_cast<const char*>(ptrs[q]);
     entry.mode = graph.in_place[slot] ? cuda::kRegisteredInPlace : cuda::kRegistered;
     graph.host_entry(slot) = entry;
   }
@@ -337,17 +346,10 @@ void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
   std::shared_ptr<Context> ctx = get_context(handle);
   TORCH_CHECK(ctx->is_cuda, "pyallreduce: register needs a CUDA communicator");
   TORCH_CHECK(nbytes > 0, "pyallreduce: cannot register an empty buffer");
-  TORCH_CHECK(static_cast<int>(peer_ptrs.size()) == ctx->world_size, "pyallreduce: register got ",
-              peer_ptrs.size(), " peer addresses for world size ", ctx->world_size);
-  TORCH_CHECK(peer_ptrs[ctx->rank] == local_ptr,
-              "pyallreduce: register: this rank's entry must be the local buffer itself");
+  check_peer_addresses(*ctx, peer_ptrs, local_ptr, "register");
   Registration reg;
   reg.nbytes = nbytes;
-  for (int q = 0; q < ctx->world_size; ++q) {
-    TORCH_CHECK(peer_ptrs[q] != 0 && peer_ptrs[q] % cuda::kVecBytes == 0, "pyallreduce: rank ", q,
-                "'s registered buffer is not ", cuda::kVecBytes, "-byte aligned");
-    reg.peers[q] = peer_ptrs[q];
-  }
+  for (int q = 0; q < ctx->world_size; ++q) reg.peers[q] = peer_ptrs[q];
   std::lock_guard<std::mutex> lock(buffers_mutex);
   ContextBuffers& table = buffers_for(ctx);
   auto next = table.by_start.lower_bound(local_ptr);

@@ -36,7 +36,8 @@ def _device_index(device):
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def _gather(obj, group):
+def gather(obj, group):
+    """Collective: every rank's obj, in rank order."""
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -47,6 +48,11 @@ def _agree_all(errors, what, exc=RegistrationError):
     failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
     if failed:
         raise exc(f"pyallreduce: {what} failed on " + "; ".join(failed))
+
+
+def agree(error, group, what, exc=RegistrationError):
+    """Collective: raises on every rank if `error` (a str or None) is set on any."""
+    _agree_all(gather(error, group), what, exc)
 
 
 def buffer_verdict(exported):
@@ -65,11 +71,6 @@ def buffer_verdict(exported):
     if misaligned:
         return f"the buffers of ranks {misaligned} are not {ALIGNMENT_BYTES}-byte aligned"
     return None
-
-
-def _agree(error, group, what, exc=RegistrationError):
-    """Collective: raises on every rank if `error` (a str or None) is set on any."""
-    _agree_all(_gather(error, group), what, exc)
 
 
 class CudaIpcTransport:
@@ -104,7 +105,7 @@ class CudaIpcTransport:
                 handle = _C.cuda_ipc_handle(self.device.index, self._own)
             except RuntimeError as e:
                 error = str(e)
-            peers = _gather((socket.gethostname(), os.getpid(), handle, error), group)
+            peers = gather((socket.gethostname(), os.getpid(), handle, error), group)
             _agree_all([e for _, _, _, e in peers], "allocating and exporting the regions", RuntimeError)
             hosts = sorted({host for host, _, _, _ in peers})
             if len(hosts) != 1:
@@ -118,7 +119,7 @@ class CudaIpcTransport:
                     self.regions.append(self._own if q == self.rank else self._open(peer_handle))
             except RuntimeError as e:
                 error = str(e)
-            _agree(error, group, "mapping the peers' regions", RuntimeError)
+            agree(error, group, "mapping the peers' regions", RuntimeError)
         except BaseException:
             self._release()
             raise
@@ -163,7 +164,7 @@ class CudaIpcTransport:
         Keeping the memory alive while peers may read it is the caller's part.
         """
         exported = [buf if isinstance(buf, str) else self._export(*buf) for buf in buffers]
-        every = _gather(exported, self._group)
+        every = gather(exported, self._group)
         counts = {len(e) for e in every}
         if len(counts) != 1:
             raise RegistrationError(f"pyallreduce: ranks shared different numbers of buffers {sorted(counts)}")
@@ -179,7 +180,7 @@ class CudaIpcTransport:
                                 for q, e in enumerate(every)])
         except RuntimeError as e:
             error = str(e)
-        _agree(error, self._group, "mapping the peers' buffers")
+        agree(error, self._group, "mapping the peers' buffers")
         return results
 
     def _export(self, ptr, nbytes):
@@ -287,7 +288,7 @@ def _ipc_probe(group, index, rank, world):
             handle = _C.cuda_ipc_handle(index, own)
         except RuntimeError as e:
             error = str(e)
-        handles = _gather(handle, group)
+        handles = gather(handle, group)
         if error is None and None in handles:
             error = f"rank {handles.index(None)} could not export its probe buffer"
         peers = []
@@ -355,7 +356,7 @@ def check_topology(group=None, device=None):
     if bus is not None and key in _topology_cache:
         return _topology_cache[key]
 
-    facts = _gather((socket.gethostname(), bus), group)
+    facts = gather((socket.gethostname(), bus), group)
     hosts = sorted({h for h, _ in facts})
     if world > _C.MAX_RANKS:
         result = (False, f"world size {world} exceeds {_C.MAX_RANKS}")
@@ -365,7 +366,7 @@ def check_topology(group=None, device=None):
         if error is None:
             error = _check_peers(index, bus, rank, facts)
         probe_error = _ipc_probe(group, index, rank, world)
-        errors = _gather(error or probe_error, group)
+        errors = gather(error or probe_error, group)
         failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
         result = (False, "; ".join(failed)) if failed else (True, "same host, P2P mesh, IPC probe passed")
     if bus is not None:
