@@ -11,6 +11,7 @@
 
 #include <array>
 #include <map>
+#include <sstream>
 
 #include "common/context.h"
 #include "common/op_args.h"
@@ -77,8 +78,46 @@ CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
 CollectiveGuard::~CollectiveGuard() { ctx_.in_flight.unlock(); }
 
 void CollectiveGuard::fail(const std::string& reason) {
-  ctx_.broken_reason = reason;
+  // The first line only: "unusable after an earlier failure (...)" quotes it,
+  // and a C++ stack trace there would bury the reason.
+  ctx_.broken_reason = reason.substr(0, reason.find('\n'));
   ctx_.broken.store(true);
+}
+
+// ---- per-call agreement (protocol.h, CallDesc) ------------------------------
+
+bool calls_agree(const CallDesc& mine, const CallDesc* descs, int world_size) {
+  for (int q = 0; q < world_size; ++q) {
+    if (!same_call(descs[q], mine)) return false;
+  }
+  return true;
+}
+
+namespace {
+std::string describe_call(const CallDesc& d, uint32_t epoch) {
+  static const char* const kAlgos[] = {"one_shot", "two_shot", "agreement only"};
+  static const char* const kModes[] = {"staged", "zero-copy", "zero-copy in place",
+                                       "torch.distributed fallback"};
+  const uint32_t dtype = d.kind & 0xFFu, algo = (d.kind >> 8) & 0xFFu, mode = (d.kind >> 16) & 0xFFu;
+  std::ostringstream s;
+  s << d.bytes << " bytes, "
+    << (dtype < static_cast<uint32_t>(at::ScalarType::NumOptions)
+            ? c10::toString(static_cast<at::ScalarType>(dtype)) : "dtype ?")
+    << ", " << (d.kind >> 24 & 1u ? "avg" : "sum") << ", " << (algo < 3 ? kAlgos[algo] : "algo ?")
+    << ", " << (mode < 4 ? kModes[mode] : "mode ?") << ", " << (d.kind >> 25 & 1u ? "in place" : "out of place");
+  if (d.epoch != epoch) s << " (protocol epoch " << d.epoch << ", expected " << epoch << ")";
+  return s.str();
+}
+}  // namespace
+
+std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size) {
+  std::ostringstream s;
+  s << "pyallreduce: the ranks disagree about collective call " << call
+    << " on this communicator; nothing was reduced (every rank raises this error, and the "
+       "communicator stays usable). Every rank must make the same calls in the same order, with the "
+       "same size, dtype, op and algorithm:";
+  for (int q = 0; q < world_size; ++q) s << "\n  rank " << q << ": " << describe_call(descs[q], epoch);
+  return s.str();
 }
 
 // ---- argument checks --------------------------------------------------------
@@ -122,17 +161,30 @@ void check_collective_args(const Context& ctx, const at::Tensor& input, const at
 
 namespace {
 
+// Runs one collective's protocol under its guard. A CallMismatch leaves the
+// context usable (the protocol re-synchronised the ranks); any other failure
+// past the checks happened mid-protocol: epochs are out of step, so it breaks.
+template <typename Body>
+void run_guarded(CollectiveGuard& guard, Context& ctx, Body&& body) {
+  ++ctx.calls;
+  try {
+    body();
+  } catch (const CallMismatch& e) {
+    TORCH_CHECK(false, e.what());
+  } catch (const c10::Error& e) {
+    guard.fail(e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    guard.fail(e.what());
+    throw;
+  }
+}
+
 void run_on_context(Context& ctx, AllReduceImpl impl, const at::Tensor& input, at::Tensor& out,
                     int64_t algo, bool average) {
   CollectiveGuard guard(ctx);
   check_collective_args(ctx, input, out, algo);
-  try {
-    impl(ctx, input, out, algo, average);
-  } catch (const std::exception& e) {
-    // Failures past the checks happen mid-protocol: epochs are now out of step.
-    guard.fail(e.what());
-    throw;
-  }
+  run_guarded(guard, ctx, [&] { impl(ctx, input, out, algo, average); });
 }
 
 }  // namespace
@@ -152,6 +204,27 @@ std::array<AllReduceImpl, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_
 bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl) {
   eager_impls[static_cast<size_t>(type)] = impl;
   return true;
+}
+
+namespace {
+AgreeImpl agree_impls[2] = {};  // [is_cuda]
+}  // namespace
+
+bool register_agree_impl(c10::DeviceType type, AgreeImpl impl) {
+  agree_impls[type == c10::DeviceType::CUDA] = impl;
+  return true;
+}
+
+// pyallreduce._C.agree: the agreement round for a call this rank does not run
+// through the kernels (a torch.distributed fallback, or an empty tensor).
+void agree(int64_t handle, int64_t dtype, int64_t nbytes, int64_t mode, bool average, bool in_place) {
+  std::shared_ptr<Context> held = get_context(handle);
+  AgreeImpl impl = agree_impls[held->is_cuda];
+  TORCH_CHECK(impl != nullptr, "pyallreduce: this build has no agreement round for this device");
+  CollectiveGuard guard(*held);
+  CallDesc desc{static_cast<uint64_t>(nbytes), 0,
+                desc_kind(static_cast<uint32_t>(dtype), kAgreeOnly, static_cast<uint32_t>(mode), average, in_place)};
+  run_guarded(guard, *held, [&] { impl(*held, desc); });
 }
 
 // The custom ops' work without the dispatcher's boxing, about a microsecond
@@ -183,6 +256,23 @@ bool try_all_reduce_eager(const at::Tensor& input, at::Tensor out, int64_t handl
                   std::vector<c10::IValue>{});
   run_on_context(*held, impl, input, out, algo, average);
   return true;
+}
+
+// pyallreduce._C.check: raises what a GPU kernel of this communicator recorded
+// (a mismatch, a deadline), which the calls themselves report only at the
+// next call. Host calls raise at once: nothing to do there.
+void check(int64_t handle) {
+  std::shared_ptr<Context> held = get_context(handle);
+#ifdef PYALLREDUCE_WITH_CUDA
+  if (held->is_cuda) {
+    CollectiveGuard guard(*held);
+    try {
+      cuda_check(*held);
+    } catch (const CallMismatch& e) {  // the protocol is in step again: still usable
+      TORCH_CHECK(false, e.what());
+    }
+  }
+#endif
 }
 
 }  // namespace pyallreduce
@@ -241,6 +331,12 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DATA_OFFSET") = kDataOffset;
   m.attr("ONE_SHOT") = kOneShot;
   m.attr("TWO_SHOT") = kTwoShot;
+  m.attr("AGREE_ONLY") = kAgreeOnly;
+  m.attr("DESC_OFFSET") = kDescOffset;
+  m.attr("DESC_BYTES") = kDescBytes;
+  m.attr("MODE_STAGED") = kModeStaged;
+  m.attr("MODE_FALLBACK") = kModeFallback;
+  m.attr("DESC_COMPARED") = kDescCompared;
 #ifdef PYALLREDUCE_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
@@ -255,6 +351,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("try_all_reduce_eager", &try_all_reduce_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("dtype_code", [](at::ScalarType t) { return dtype_code(t); }, py::arg("dtype"),
+        "the dtype field of a call descriptor (protocol.h CallDesc)");
+  m.def("desc_kind", [](uint32_t dtype, int64_t algo, uint32_t mode, bool average, bool in_place) {
+          return desc_kind(dtype, static_cast<uint32_t>(algo), mode, average, in_place);
+        }, py::arg("dtype"), py::arg("algo"), py::arg("mode"), py::arg("average"), py::arg("in_place"));
+  m.def("mismatch_message", [](int64_t call, uint32_t epoch, const std::vector<std::tuple<uint64_t, uint32_t, uint32_t>>& descs) {
+          std::vector<CallDesc> d;
+          for (const auto& [bytes, e, kind] : descs) d.push_back(CallDesc{bytes, e, kind});
+          return mismatch_message(call, epoch, d.data(), static_cast<int>(d.size()));
+        }, py::arg("call"), py::arg("epoch"), py::arg("descs"),
+        "the mismatch error text from (bytes, epoch, kind) per rank (the Triton path uses it)");
+  // Collective, like a call: the GIL is released while the ranks meet.
+  m.def("check", &check, py::arg("handle"), py::call_guard<py::gil_scoped_release>());
+  m.def("agree", &agree, py::arg("handle"), py::arg("dtype"), py::arg("nbytes"), py::arg("mode"),
+        py::arg("average"), py::arg("in_place"), py::call_guard<py::gil_scoped_release>());
   bind_shm(m);
 #ifdef PYALLREDUCE_WITH_CUDA
   bind_cuda_ipc(m);

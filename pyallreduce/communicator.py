@@ -354,6 +354,16 @@ class Communicator:
             _C.cuda_graph_reset_entries(self._handle, slots)  # staged again, like every other rank
             raise
 
+    def check(self):
+        """Raises what this communicator's CUDA kernels recorded (the ranks'
+        calls differed, a deadline passed). A CUDA call returns before its
+        kernel has run, so such an error is otherwise raised by the next call
+        (a mismatch leaves the communicator usable; a deadline does not).
+        Waits for the device. Calls on the CPU backend raise at once: nothing
+        to do there."""
+        if self._cuda_kernels:
+            _C.check(self._handle)
+
     def close(self):
         """Releases the mapped memory. Safe to call twice. On CUDA it is
         collective (every rank calls it): an exported allocation must not be
@@ -479,14 +489,17 @@ class Communicator:
             # The common case, kept short: one call, no views.
             return self._run(src, dst, self._algo_id(algo, nbytes), average)
         self._algo_id(algo, 0)  # reject an unknown name even where the fallback runs
+        if self.debug and not self._capturing:  # before any branch: every rank takes part
+            self._check_fingerprint(src, average, algo)
         reason = self._reference_reason(src, algo)
         if reason is not None:
-            log_once(f"torch.distributed.all_reduce used: {reason}")
+            if not torch.compiler.is_compiling():
+                log_once(f"torch.distributed.all_reduce used: {reason}")
+            self._agree(src, dst, average, _C.MODE_FALLBACK)
             return self._reference_all_reduce(src, dst, average)
         if src.numel() == 0:
+            self._agree(src, dst, average, _C.MODE_STAGED)
             return
-        if self.debug and not self._capturing:
-            self._check_fingerprint(src, average, algo)
         contiguous_dst = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         flat_src = src.contiguous().view(-1)
         flat_dst = contiguous_dst.view(-1)
@@ -498,21 +511,51 @@ class Communicator:
         if contiguous_dst is not dst:
             dst.copy_(contiguous_dst)
 
+    def _agree(self, src, dst, average, mode):
+        """The agreement round for a call that does not go through the kernels
+        (a torch.distributed fallback, an empty tensor): the peers check it
+        against their own call, so a rank whose call differs makes every rank
+        raise instead of each waiting in a different collective. Groups the
+        communicator does not serve at all have no shared memory to meet in;
+        under torch.compile the round is skipped (the compiled graph holds only
+        the torch.distributed collective)."""
+        if self._transport is None or torch.compiler.is_compiling():
+            return
+        self._calls += 1
+        nbytes, in_place = src.numel() * src.element_size(), dst is src
+        if self.backend == "triton":
+            from . import triton_kernels
+
+            return self._triton(triton_kernels.agree, _C.dtype_code(src.dtype), nbytes, mode, average, in_place,
+                                self._transport.regions, self.rank, self.world_size, self.nblocks,
+                                self.timeout_s, src.device, self._calls)
+        _C.agree(self._handle, _C.dtype_code(src.dtype), nbytes, mode, average, in_place)
+
+    def _triton(self, fn, *args):
+        """Runs a Triton collective, keeping the C++ backends' rules: a
+        communicator that failed mid-protocol refuses further use; a mismatch
+        (every rank raises it, epochs back in step) does not break it."""
+        from . import triton_kernels
+
+        if self._broken_reason is not None:
+            raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
+                               f"({self._broken_reason}); close() it and create a new Communicator on every rank")
+        try:
+            return fn(*args)
+        except triton_kernels.CallMismatch as e:
+            raise RuntimeError(str(e)) from None
+        except RuntimeError as e:
+            self._broken_reason = str(e).split("\n", 1)[0]  # epochs are out of step across ranks now
+            raise
+
     def _run(self, src, dst, algo_id, average):
         self._calls += 1
         if self.backend == "triton":
             from . import triton_kernels
 
-            if self._broken_reason is not None:
-                raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
-                                   f"({self._broken_reason}); close() it and create a new Communicator on every rank")
             t = self._transport
-            try:
-                return triton_kernels.all_reduce(src, dst, t.regions, self.rank, self.world_size, self.max_bytes,
-                                                 self.nblocks, algo_id, average, self.timeout_s)
-            except RuntimeError as e:
-                self._broken_reason = str(e)  # epochs are out of step across ranks now (as in C++)
-                raise
+            return self._triton(triton_kernels.all_reduce, src, dst, t.regions, self.rank, self.world_size,
+                                self.max_bytes, self.nblocks, algo_id, average, self.timeout_s, self._calls)
         if src is dst:
             _all_reduce_inplace(dst, self._handle, algo_id, average)
         else:
@@ -521,10 +564,8 @@ class Communicator:
     def _reference_all_reduce(self, src, dst, average):
         if average and not (src.is_floating_point() or src.is_complex()):
             raise ValueError(f"pyallreduce: op='avg' is not defined for {src.dtype}; use op='sum'")
-        if dst.data_ptr() != src.data_ptr() or not dst.is_contiguous():
-            work = src.contiguous().clone()
-        else:
-            work = dst
+        # `is`, not data pointers: torch.compile traces this (fallback dtypes under fullgraph=True).
+        work = dst if dst is src and dst.is_contiguous() else src.contiguous().clone()
         dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self.group)
         if average:
             work.div_(self.world_size)

@@ -7,8 +7,8 @@
 
 namespace pyallreduce {
 namespace cuda {
-template bool launch_all_reduce<float>(int, int64_t, const Call&, int, cudaStream_t);
-template bool launch_all_reduce<__half>(int, int64_t, const Call&, int, cudaStream_t);
-template bool launch_all_reduce<__nv_bfloat16>(int, int64_t, const Call&, int, cudaStream_t);
+template bool launch_all_reduce<float>(int, const Call&, int, cudaStream_t);
+template bool launch_all_reduce<__half>(int, const Call&, int, cudaStream_t);
+template bool launch_all_reduce<__nv_bfloat16>(int, const Call&, int, cudaStream_t);
 }  // namespace cuda
 }  // namespace pyallreduce

@@ -56,6 +56,29 @@ def test_torch_compile_fullgraph(backend):
     run_ranks(compiled, 2, backend, timeout=400)
 
 
+def compiled_fallback_dtypes(rank, world):
+    """Dtypes the kernels do not take go to torch.distributed; that path traces too."""
+    comm = make_comm()
+
+    def step(x, y):
+        s = comm.all_reduce(x, op="sum")
+        comm.all_reduce_(y, op="avg")
+        return s + 1, y
+
+    fn = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for i in range(2):
+        x = exact_input(100 + i, rank, torch.int64, salt=i)
+        y = exact_input(100 + i, rank, torch.float64, salt=i)
+        s, y2 = fn(x, y.clone())
+        assert torch.equal(s, exact_sum(100 + i, world, torch.int64, salt=i) + 1)
+        assert torch.equal(y2, exact_sum(100 + i, world, torch.float64, salt=i) / world)
+    comm.close()
+
+
+def test_torch_compile_fullgraph_with_fallback_dtypes():
+    run_ranks(compiled_fallback_dtypes, 2, timeout=400)
+
+
 def seen_by_dispatch_modes(rank, world):
     """Eager calls skip the dispatcher (Communicator._direct); a dispatch mode
     (here a recording one; FakeTensorMode and make_fx are others) must still

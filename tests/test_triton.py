@@ -4,8 +4,13 @@ bitwise equal to the fp32-in-rank-order definition, across ranks, and to the
 C++ CPU backend on the same inputs; a rank that never arrives must make the
 deadline fire with its rank named.
 
+Also: the wrap fix (calls across the 32-bit epoch wrap from an old-protocol
+history, and a deterministic mid-barrier check), and the per-call agreement
+(mismatched calls raise the same error on every rank, nothing is written, the
+next call works).
+
 The interpreter runs each program as Python, so sizes are small and programs
-few; the whole file takes 30 to 60 s on 2 cores.
+few; the whole file takes 3 to 5 minutes on 2 busy cores.
 """
 import ctypes
 import hashlib
@@ -76,6 +81,38 @@ def start_near_wrap(transport, nblocks, value):
             for q in range(transport.world_size):
                 f[b * _C.MAX_RANKS + q] = value
     dist.barrier()  # no rank signals before every region is set
+
+
+def region_words(transport, rank, offset, n, ctype=ctypes.c_uint32):
+    """n words at byte `offset` of rank `rank`'s region, as mapped here."""
+    return (ctype * n).from_address(transport.regions[rank] + offset)
+
+
+def kernel_kind(x, algo, average=False, in_place=False):
+    from pyallreduce import _C
+
+    return _C.desc_kind(_C.dtype_code(x.dtype), algo, _C.MODE_STAGED, average, in_place)
+
+
+def arrive_at_start(transport, nblocks, nbytes, kind):
+    """Plays this rank's part of a call's start (protocol.h) by hand, for every
+    program: publishes the descriptor (nbytes, e, kind) and the start flag e
+    into every peer's region, where e is the next epoch; then stops, as a rank
+    that never reaches the mid barrier would. Its own region is left alone."""
+    from pyallreduce import _C
+
+    me = transport.rank
+    epochs = region_words(transport, me, _C.EPOCH_OFFSET, _C.MAX_BLOCKS)
+    for pid in range(nblocks):
+        e = (epochs[pid] + 1) & 0xFFFFFFFF
+        slot = pid * _C.MAX_RANKS + me
+        for q in range(transport.world_size):
+            if q == me:
+                continue
+            desc = _C.DESC_OFFSET + ((e & 1) * _C.MAX_BLOCKS * _C.MAX_RANKS + slot) * _C.DESC_BYTES
+            region_words(transport, q, desc, 2, ctypes.c_uint64)[:] = [nbytes, e | kind << 32]
+            # After the descriptor: x86 keeps stores in order, as the kernel's release does.
+            region_words(transport, q, _C.START_FLAGS_OFFSET + 4 * slot, 1)[0] = e
 
 
 def reduce_back_to_back(rank, world, nblocks, seed):
@@ -200,13 +237,14 @@ def deadline_and_checks(rank, world):
         t.close()
 
     # Mid barrier: the epochs above are out of step now, so a fresh transport.
+    # Rank 1 arrives at the start barrier of a two-shot call, with its
+    # descriptor, and never at the mid barrier (a kernel cannot be stopped
+    # half way, so the test plays rank 1's part of the protocol).
     t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
     try:
         args = (t.regions, rank, world, MAX_BYTES, nblocks)
         if rank == 1:
-            # Its result is garbage (the others reduce into their staging
-            # buffers while it reads them); only its leaving early matters.
-            tk.all_reduce(x, out, *args, _C.ONE_SHOT, False, TIMEOUT_S)
+            arrive_at_start(t, nblocks, x.nbytes, kernel_kind(x, _C.TWO_SHOT))
         else:
             expect_deadline(lambda: tk.all_reduce(x, out, *args, _C.TWO_SHOT, False, short), "mid", "1", short)
         dist.barrier()
@@ -216,3 +254,194 @@ def deadline_and_checks(rank, world):
 
 def test_deadline_names_the_missing_rank():
     run_ranks(deadline_and_checks, 3, timeout=120, env=ENV)
+
+
+# ---- the epoch wrap (protocol.h: a call without a mid barrier refreshes the mid flags) ----
+
+def make_comm(**kw):
+    import pyallreduce
+
+    kw.setdefault("max_bytes", 1 << 20)
+    kw.setdefault("timeout", TIMEOUT_S)
+    return pyallreduce.Communicator(backend="triton", device="cpu", **kw)
+
+
+def set_counters(transport, nblocks, epoch, mid):
+    """Sets this rank's own counters to the state a long history leaves: every
+    program's epoch and every start flag `epoch`, every mid flag `mid`."""
+    from pyallreduce import _C
+
+    me, world = transport.rank, transport.world_size
+    dist.barrier()  # nobody is inside a call while the counters change
+    region_words(transport, me, _C.EPOCH_OFFSET, nblocks)[:] = [epoch] * nblocks
+    for pid in range(nblocks):
+        for offset, value in ((_C.START_FLAGS_OFFSET, epoch), (_C.MID_FLAGS_OFFSET, mid)):
+            region_words(transport, me, offset + 4 * pid * _C.MAX_RANKS, world)[:] = [value] * world
+    dist.barrier()
+
+
+def across_the_wrap(rank, world, start_epoch, mid):
+    """Calls crossing the 32-bit wrap from a given history: every result exact.
+    Then, from a history with zeroed mid flags, the deterministic form of the
+    wrap bug: after one one-shot call, the last rank arrives at a two-shot
+    call's start barrier (at e = 0xFFFFFFFF or 0) and never at its mid
+    barrier; the others must wait there until the deadline, not pass on a
+    stale mid flag and return a result."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+
+    comm = make_comm()
+    set_counters(comm._transport, comm.nblocks, start_epoch, mid)
+    # One-shot first (the only kind that ran "before"), then two-shot calls
+    # across the wrap: a mid barrier passed early would gather a peer's chunks
+    # before it reduced them, if the scheduler lets it get there first (the
+    # interpreter seldom does; the part below does not depend on it).
+    numel = 16000
+    wrong = 0
+    for i, algo in enumerate(["one_shot", "two_shot", "two_shot", "one_shot", "two_shot", "two_shot"]):
+        got = comm.all_reduce(exact_input(numel, rank, torch.float32, salt=i), algo=algo)
+        wrong += int((got != exact_sum(numel, world, torch.float32, salt=i)).sum())
+    if mid == 0:
+        assert (start_epoch + 2) & 0xFFFFFFFF in (0xFFFFFFFF, 0), "the two-shot call below must meet a stale 0"
+        set_counters(comm._transport, comm.nblocks, start_epoch, mid)
+        x = exact_input(3000, rank, torch.float32)
+        comm.all_reduce(x, algo="one_shot")  # e = start_epoch + 1: stores its mid flags (the fix)
+        dist.barrier()
+        if rank == world - 1:
+            arrive_at_start(comm._transport, comm.nblocks, x.nbytes, kernel_kind(x, _C.TWO_SHOT))
+        else:
+            short = 2.0
+            args = (comm._transport.regions, rank, world, comm.max_bytes, comm.nblocks)
+            expect_deadline(lambda: tk.all_reduce(x, torch.empty_like(x), *args, _C.TWO_SHOT, False, short),
+                            "mid", str(world - 1), short)
+        dist.barrier()
+    comm.close()
+    return wrong
+
+
+@pytest.mark.parametrize("world,start_epoch,mid", [
+    # ~2^32 one-shot calls of the old protocol (mid flags still zeroed), then
+    # the first two-shot calls at e = 0xFFFFFFFF and e = 0, where 0 counts as reached.
+    (2, 0xFFFFFFFD, 0),
+    (3, 0xFFFFFFFE, 0),
+    (2, 0xFFFFFFFA, 0xFFFFFFFA),  # what the fixed protocol leaves: every call refreshed its mid flags
+])
+def test_calls_across_the_32_bit_epoch_wrap_are_exact(world, start_epoch, mid):
+    assert run_ranks(across_the_wrap, world, start_epoch, mid, timeout=240, env=ENV) == [0] * world
+
+
+# ---- agreement (protocol.h CallDesc) ----------------------------------------------
+
+SENTINEL = -7.0
+# Each case: what every rank calls, and what the last rank calls instead:
+# (numel, dtype, op, algo, in place). float64 goes to torch.distributed, after
+# the agreement round (MODE_FALLBACK); numel 0 runs the agreement round alone.
+MISMATCHES = {
+    "size": ((1000, torch.float32, "sum", "one_shot", False), (1001, torch.float32, "sum", "one_shot", False)),
+    "dtype": ((2000, torch.float32, "sum", "two_shot", False), (4000, torch.bfloat16, "sum", "two_shot", False)),
+    "op": ((1000, torch.float16, "sum", "one_shot", False), (1000, torch.float16, "avg", "one_shot", False)),
+    "algo": ((1000, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "two_shot", False)),
+    "in_place": ((1000, torch.float32, "sum", "two_shot", True), (1000, torch.float32, "sum", "two_shot", False)),
+    "fallback_vs_one_shot": ((1000, torch.float32, "sum", "one_shot", False),
+                             (1000, torch.float64, "sum", "one_shot", False)),
+    "fallback_vs_two_shot": ((1000, torch.float64, "sum", "two_shot", True),
+                             (1000, torch.float32, "sum", "two_shot", True)),
+    "empty_vs_kernel": ((0, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "one_shot", False)),
+    "fallback_size": ((1000, torch.float64, "sum", "one_shot", False),
+                      (1002, torch.float64, "sum", "one_shot", False)),
+}
+
+
+def descriptor(spec, e):
+    """(bytes, epoch, kind) that a rank making call `spec` publishes at epoch e."""
+    from pyallreduce import _C
+
+    numel, dtype, op, algo, in_place = spec
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.float64 or numel == 0:
+        mode, algo_id = (_C.MODE_FALLBACK if numel else _C.MODE_STAGED), _C.AGREE_ONLY
+    else:
+        mode, algo_id = _C.MODE_STAGED, {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}[algo]
+    return nbytes, e, _C.desc_kind(_C.dtype_code(dtype), algo_id, mode, op == "avg", in_place)
+
+
+def disagree(rank, world, cases):
+    """Runs each mismatched call, then a matching call (exact), on one
+    communicator whose epochs start near the wrap. Returns the messages."""
+    from pyallreduce import _C
+
+    comm = make_comm()
+    start_near_wrap(comm._transport, comm.nblocks, NEAR_WRAP)
+    messages = []
+    for i, case in enumerate(cases):
+        agreed, odd = MISMATCHES[case]
+        spec = odd if rank == world - 1 else agreed
+        numel, dtype, op, algo, in_place = spec
+        x = exact_input(numel, rank, dtype, salt=i)
+        out = x if in_place else torch.full((numel,), SENTINEL, dtype=dtype)
+        with pytest.raises(RuntimeError) as raised:
+            if in_place:
+                comm.all_reduce_(x, op=op, algo=algo)
+            else:
+                comm.all_reduce(x, op=op, algo=algo, out=out)
+        message = str(raised.value)
+        # Nothing was written: not the output, not an in-place input.
+        assert torch.equal(x, exact_input(numel, rank, dtype, salt=i)), f"{case}: the input changed"
+        if not in_place:
+            assert bool((out == SENTINEL).all()), f"{case}: the output was written"
+        # Every call, a mismatched one included, uses one epoch; the first is NEAR_WRAP + 1.
+        call = 2 * i + 1
+        e = (NEAR_WRAP + call) & 0xFFFFFFFF
+        want = _C.mismatch_message(call, e, [descriptor(odd if q == world - 1 else agreed, e) for q in range(world)])
+        assert message == want, f"{case}:\n{message}\n--- expected:\n{want}"
+        # The communicator is still usable: the next matching call is exact.
+        algo = ("one_shot", "two_shot")[i % 2]
+        assert torch.equal(comm.all_reduce(exact_input(3000, rank, torch.float32), algo=algo),
+                           exact_sum(3000, world, torch.float32)), f"{case}: the next call is not exact"
+        messages.append(message)
+    # Agreement rounds that agree pass, and so does the call after them.
+    comm.all_reduce(torch.ones(10, dtype=torch.float64))
+    comm.all_reduce(torch.empty(0))
+    assert torch.equal(comm.all_reduce(exact_input(500, rank, torch.float16)), exact_sum(500, world, torch.float16))
+    comm.close()
+    return messages
+
+
+@pytest.mark.parametrize("world,cases", [(2, sorted(MISMATCHES)), (3, ["algo", "fallback_vs_two_shot"])])
+def test_ranks_that_disagree_all_raise_the_same_error_and_nothing_is_written(world, cases):
+    messages = run_ranks(disagree, world, cases, timeout=300, env=ENV)
+    for r in range(1, world):
+        assert messages[r] == messages[0], f"rank {r} raised differently"
+
+
+def agree_direct(rank, world):
+    """triton_kernels.agree and all_reduce without the communicator: a matching
+    agreement round passes; one against a kernel call raises CallMismatch on both."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+    from pyallreduce.transport import HostShmTransport
+
+    t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
+    try:
+        f32 = _C.dtype_code(torch.float32)
+        tk.agree(f32, 400, _C.MODE_FALLBACK, False, False, t.regions, rank, world, 2, TIMEOUT_S, "cpu", call=1)
+        x = exact_input(100, rank, torch.float32)
+        out = torch.full_like(x, SENTINEL)
+        with pytest.raises(tk.CallMismatch, match="collective call 2 ") as raised:
+            if rank == 0:
+                tk.agree(f32, 400, _C.MODE_FALLBACK, False, False, t.regions, rank, world, 2, TIMEOUT_S, "cpu", call=2)
+            else:
+                tk.all_reduce(x, out, t.regions, rank, world, MAX_BYTES, 2, _C.ONE_SHOT, False, TIMEOUT_S, call=2)
+        assert bool((out == SENTINEL).all())
+        tk.all_reduce(x, out, t.regions, rank, world, MAX_BYTES, 2, _C.TWO_SHOT, False, TIMEOUT_S, call=3)
+        assert torch.equal(out, exact_sum(100, world, torch.float32))
+    finally:
+        t.close()
+    return str(raised.value)
+
+
+def test_agreement_round_against_a_kernel_call_raises_on_both():
+    messages = run_ranks(agree_direct, 2, timeout=120, env=ENV)
+    assert messages[0] == messages[1]
+    assert "rank 0: 400 bytes, Float, sum, agreement only, torch.distributed fallback" in messages[0], messages[0]
+    assert "rank 1: 400 bytes, Float, sum, one_shot, staged" in messages[0], messages[0]

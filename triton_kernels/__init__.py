@@ -6,20 +6,27 @@ CPU tensors the kernels run under TRITON_INTERPRET=1 over POSIX shared
 memory, which must be set before this package is first imported (see
 signal.py).
 """
-import time
-
 import torch
 
 from pyallreduce import _C
 
 from . import one_shot, signal, two_shot
 
-__all__ = ["all_reduce"]
+__all__ = ["CallMismatch", "agree", "all_reduce"]
+
+
+class CallMismatch(RuntimeError):
+    """The ranks' descriptors of one call differ (protocol.h CallDesc). Every
+    rank raises the same text, nothing was written, and the epochs are back in
+    step: the communicator stays usable."""
+
 
 _LAUNCHERS = {_C.ONE_SHOT: one_shot.launch, _C.TWO_SHOT: two_shot.launch}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# (regions, device) -> (int64 tensor of the region bases, int32 status record).
-# Built once per communicator, so a call costs one launch.
+# (regions, device) -> (int64 tensor of the region bases, the int32 status
+# record, a numpy view of it). Built once per communicator, so a call costs one
+# launch and one read of the record's code. On a GPU the record lives in
+# pinned host memory (signal.py explains why).
 _device_args = {}
 _MAX_CACHED = 64
 
@@ -30,10 +37,23 @@ def _args_for(regions, device):
     if args is None:
         if len(_device_args) >= _MAX_CACHED:
             _device_args.clear()
-        args = (torch.tensor(key[0], dtype=torch.int64, device=device),
-                torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, device=device))
+        status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
+        args = (torch.tensor(key[0], dtype=torch.int64, device=device), status, status.numpy())
         _device_args[key] = args
     return args
+
+
+def _check_group(regions, rank, world_size, nblocks, device):
+    if not 1 <= world_size <= _C.MAX_RANKS or len(regions) != world_size or not 0 <= rank < world_size:
+        raise ValueError(f"pyallreduce: rank {rank}, world size {world_size} and {len(regions)} regions "
+                         f"do not fit (at most {_C.MAX_RANKS} ranks)")
+    if not 1 <= nblocks <= _C.MAX_BLOCKS:
+        raise ValueError(f"pyallreduce: nblocks must be in 1..{_C.MAX_BLOCKS}, got {nblocks}")
+    if (device.type == "cuda") == signal.INTERPRET:
+        raise RuntimeError("pyallreduce: the Triton kernels run CUDA tensors compiled and CPU tensors under "
+                           "TRITON_INTERPRET=1, which must be set before pyallreduce.triton_kernels is "
+                           f"imported (it is {'set' if signal.INTERPRET else 'not set'}; tensors on "
+                           f"{device})")
 
 
 def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):
@@ -43,25 +63,24 @@ def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):
         raise ValueError("pyallreduce: out must have the input's dtype, numel and device")
     if not (input.is_contiguous() and out.is_contiguous()):
         raise ValueError("pyallreduce: the Triton kernels need contiguous tensors")
-    if not 1 <= world_size <= _C.MAX_RANKS or len(regions) != world_size or not 0 <= rank < world_size:
-        raise ValueError(f"pyallreduce: rank {rank}, world size {world_size} and {len(regions)} regions "
-                         f"do not fit (at most {_C.MAX_RANKS} ranks)")
     if max_bytes <= 0 or max_bytes % _C.ALIGNMENT != 0:
         raise ValueError(f"pyallreduce: max_bytes must be a positive multiple of {_C.ALIGNMENT}")
     if input.nbytes > max_bytes:
         raise ValueError(f"pyallreduce: {input.nbytes} bytes exceed the staging buffer (max_bytes={max_bytes})")
-    if not 1 <= nblocks <= _C.MAX_BLOCKS:
-        raise ValueError(f"pyallreduce: nblocks must be in 1..{_C.MAX_BLOCKS}, got {nblocks}")
     if algo not in _LAUNCHERS:
         raise ValueError(f"pyallreduce: unknown algorithm id {algo}")
-    if input.is_cuda == signal.INTERPRET:
-        raise RuntimeError("pyallreduce: the Triton kernels run CUDA tensors compiled and CPU tensors under "
-                           "TRITON_INTERPRET=1, which must be set before pyallreduce.triton_kernels is "
-                           f"imported (it is {'set' if signal.INTERPRET else 'not set'}; tensors on "
-                           f"{input.device})")
+    _check_group(regions, rank, world_size, nblocks, input.device)
 
 
-def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, average, timeout_s):
+def _on_device(device, fn):
+    """Triton launches on the current CUDA device."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return fn()
+    with torch.cuda.device(device):
+        return fn()
+
+
+def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, average, timeout_s, call=0):
     """out = sum (or mean when average) of `input` over the ranks.
 
     input, out: contiguous tensors of one dtype (float32, float16, bfloat16)
@@ -70,34 +89,74 @@ def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, 
     regions: every rank's region base address as mapped in this process.
     nblocks: programs per rank, fixed for the communicator's life.
     algo: pyallreduce._C.ONE_SHOT or TWO_SHOT.
-    timeout_s: deadline of every barrier wait. Past it a CPU call raises
-        RuntimeError naming the missing ranks; a GPU kernel prints them and
-        traps. Either way the ranks' epochs are out of step afterwards: the
-        communicator cannot be used again.
+    timeout_s: deadline of every barrier wait.
+    call: the user's call number on the communicator, for error messages.
+
+    Raises CallMismatch (nothing written, every rank raises it, the ranks stay
+    in step) when the ranks' calls differ, and RuntimeError naming the missing
+    ranks past a deadline (the ranks' epochs are out of step afterwards: the
+    communicator cannot be used again). On CPU tensors both come from this
+    call. On a GPU the kernel records them and the next call raises them, as
+    RuntimeError either way (signal.py).
     """
     _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo)
-    regions_t, status = _args_for(regions, input.device)
-    timeout_ns = max(1, int(timeout_s * 1e9))
-    launch = _LAUNCHERS[algo]
-    if not input.is_cuda:
-        started = time.monotonic()
-        launch(input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average, timeout_ns)
-        _raise_on_deadline(status, rank, world_size, time.monotonic() - started)
-        return
-    if input.device.index == torch.cuda.current_device():
-        launch(input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average, timeout_ns)
-    else:
-        with torch.cuda.device(input.device):  # Triton launches on the current device
-            launch(input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average, timeout_ns)
+    regions_t, status, record = _args_for(regions, input.device)
+    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    kind = _C.desc_kind(_C.dtype_code(input.dtype), algo, _C.MODE_STAGED, average, input.data_ptr() == out.data_ptr())
+    args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
+            max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
+    _on_device(input.device, lambda: _LAUNCHERS[algo](*args))
+    if not input.is_cuda:  # the interpreter has finished the call
+        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
 
 
-def _raise_on_deadline(status, rank, world_size, waited):
-    barrier_id, program, epoch, mask = status.tolist()
-    if barrier_id == 0:
+def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size, nblocks, timeout_s, device, call=0):
+    """The agreement round (protocol.h kAgreeOnly) for a call that moves no data
+    through the kernels (a torch.distributed fallback: mode MODE_FALLBACK; an
+    empty tensor: MODE_STAGED). Publishes the call's descriptor, meets the
+    peers at the start barrier and raises CallMismatch unless every rank
+    published the same. Synchronous on a GPU too: the caller acts on the answer."""
+    device = torch.device(device)
+    _check_group(regions, rank, world_size, nblocks, device)
+    regions_t, status, record = _args_for(regions, device)
+    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    kind = _C.desc_kind(dtype_code, _C.AGREE_ONLY, mode, average, in_place)
+
+    def run():
+        signal._agree_kernel[(nblocks,)](regions_t, status, rank, max(1, int(timeout_s * 1e9)), nbytes, kind, call,
+                                         WORLD_SIZE=world_size, num_warps=1)
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    _on_device(device, run)
+    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+
+
+def _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call):
+    """Raises from the status record, if a program filled it in, and clears it.
+    this_call: the launch that ran last has finished (interpreter, or a
+    synchronised agreement round), so a mismatch it recorded raises
+    CallMismatch from the call itself."""
+    code = int(record[signal.STATUS_CODE.value])
+    if code == signal.CODE_OK:
         return
+    words = status.tolist()
+    longs = status.view(torch.int64).tolist()
     status.zero_()
-    missing = " ".join(str(q) for q in signal.missing_ranks(mask, world_size))
+    epoch = words[signal.STATUS_EPOCH.value] & 0xFFFFFFFF
+    failed_call = longs[signal.STATUS_CALL64.value]
+    if code == signal.CODE_MISMATCH.value:
+        words64 = longs[signal.STATUS_DESCS64.value:]
+        # (bytes, epoch, kind) per rank, from CallDesc's words: bytes, epoch | kind << 32.
+        descs = [(words64[2 * q], words64[2 * q + 1] & 0xFFFFFFFF, words64[2 * q + 1] >> 32) for q in range(world_size)]
+        message = _C.mismatch_message(failed_call, epoch, descs)
+        if this_call and failed_call == call:
+            raise CallMismatch(message)
+        raise RuntimeError(f"{message}\n(The GPU kernel of that call recorded this; it is raised at a later call, "
+                           "which ranks may reach one call apart, so this communicator cannot be used again.)")
+    barrier = signal.BARRIER_NAMES.get(words[signal.STATUS_BARRIER.value], "?")
+    missing = " ".join(str(q) for q in signal.missing_ranks(words[signal.STATUS_MISSING.value], world_size))
     raise RuntimeError(
-        f"pyallreduce: rank {rank} waited {waited:.2f} s in the {signal.BARRIER_NAMES.get(barrier_id, '?')} "
-        f"barrier of call {epoch & 0xFFFFFFFF} (Triton program {program}); rank(s) {missing} never arrived. "
-        "Every rank must make the same collective calls in the same order.")
+        f"pyallreduce: rank {rank} waited past its {timeout_s:g} s deadline in the {barrier} barrier of "
+        f"collective call {failed_call} on this communicator (Triton program {words[signal.STATUS_PROGRAM.value]}); "
+        f"rank(s) {missing} never arrived there. Every rank must make the same collective calls in the same order.")

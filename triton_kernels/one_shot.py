@@ -7,7 +7,7 @@ import triton.language as tl
 
 from pyallreduce import _C
 
-from .signal import DATA_OFFSET, START_BARRIER, START_FLAGS_OFFSET, barrier, next_epoch
+from .signal import DATA_OFFSET, next_epoch, start_call
 
 # Chunk width in bytes, the same for every dtype, so that an fp32 call and a
 # bf16 call give each program the same bytes of the staging buffers (the
@@ -18,35 +18,16 @@ CHUNK_BYTES = _C.ALIGNMENT
 NUM_WARPS = 4
 
 
+# Every loop over chunks runs its full chunks unmasked and then at most one
+# masked tail chunk (TAIL). A mask the compiler cannot prove constant over 16
+# bytes (n_elements not a multiple of 16) would make every access of a chunk
+# scalar; without one, the full chunks get 16-byte vector loads and stores
+# (tests/test_triton_targets.py). Helpers are few and coarse on purpose: the
+# interpreter pays about 2 ms per call of a @triton.jit function.
 @triton.jit
-def chunk_range(c, n_elements, CHUNK: tl.constexpr):
-    """Element indices of chunk c and the mask of those below n_elements."""
-    idx = tl.cast(c, tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    return idx, idx < n_elements
-
-
-@triton.jit
-def region_ptr(regions_ptr, q, offset, T: tl.constexpr):
-    """*T at byte `offset` of rank q's region (regions_ptr: *i64 region bases)."""
-    return (tl.load(regions_ptr + q) + offset).to(tl.pointer_type(T))
-
-
-@triton.jit
-def staging_ptrs(buf, idx):
-    """buf + idx for a chunk of a staging buffer (buf: *T). Pointers made from
-    integers carry no alignment, so say what protocol.h guarantees (buffers
-    and chunks start on ALIGNMENT boundaries); without it a GPU gets one load
-    per element instead of 16-byte vectors."""
-    return tl.multiple_of(buf + idx, [16])
-
-
-@triton.jit
-def to_f32(x):
-    if x.dtype == tl.bfloat16:
-        # Exact by construction; the interpreter's bf16 conversion is not.
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
+def tail_chunk(n_elements, CHUNK: tl.constexpr):
+    """The index of the partial last chunk, or -1 when there is none."""
+    return tl.where(n_elements % CHUNK != 0, n_elements // CHUNK, -1)
 
 
 @triton.jit
@@ -63,15 +44,35 @@ def from_f32(acc, T: tl.constexpr):
 
 
 @triton.jit
-def reduce_chunk(regions_ptr, staging, idx, mask, AVERAGE: tl.constexpr, WORLD_SIZE: tl.constexpr,
-                 T: tl.constexpr):
-    """cast(sum over q = 0..W-1 of staging[q][idx]) (/ W), fp32, always in rank
-    order, so every rank and every backend gets the same bits. Starts from rank
-    0's value, not from 0.0 (0.0 + -0.0 would lose the sign, as it would not
-    in the C++ backend)."""
-    acc = to_f32(tl.load(staging_ptrs(region_ptr(regions_ptr, 0, staging, T), idx), mask=mask))
+def load_f32(regions_ptr, q, staging, c, n_elements, CHUNK: tl.constexpr, T: tl.constexpr, TAIL: tl.constexpr):
+    """Chunk c of rank q's staging buffer at byte offset `staging` of its
+    region (regions_ptr: *i64 region bases), as fp32. Pointers made from
+    integers carry no alignment, so say what protocol.h guarantees (buffers
+    and chunks start on ALIGNMENT boundaries); without it a GPU gets one load
+    per element instead of 16-byte vectors."""
+    idx = tl.cast(c, tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ptrs = tl.multiple_of((tl.load(regions_ptr + q) + staging).to(tl.pointer_type(T)) + idx, [16])
+    if TAIL:
+        x = tl.load(ptrs, mask=idx < n_elements)
+    else:
+        x = tl.load(ptrs)
+    if T == tl.bfloat16:
+        # Exact by construction; the interpreter's bf16 conversion is not.
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def reduce_chunk(regions_ptr, staging, c, n_elements, CHUNK: tl.constexpr, AVERAGE: tl.constexpr,
+                 WORLD_SIZE: tl.constexpr, T: tl.constexpr, TAIL: tl.constexpr):
+    """cast(sum over q = 0..W-1 of staging[q] chunk c) (/ W), fp32, always in
+    rank order, so every rank and every backend gets the same bits. Starts from
+    rank 0's value, not from 0.0 (0.0 + -0.0 would lose the sign, as it would
+    not in the C++ backend)."""
+    acc = load_f32(regions_ptr, 0, staging, c, n_elements, CHUNK, T, TAIL)
     for q in tl.static_range(1, WORLD_SIZE):
-        acc += to_f32(tl.load(staging_ptrs(region_ptr(regions_ptr, q, staging, T), idx), mask=mask))
+        acc += load_f32(regions_ptr, q, staging, c, n_elements, CHUNK, T, TAIL)
     if AVERAGE:
         # Correctly rounded division (a plain `/` may compile to an approximate one).
         acc = tl.math.div_rn(acc, tl.full(acc.shape, WORLD_SIZE, tl.float32))
@@ -79,25 +80,60 @@ def reduce_chunk(regions_ptr, staging, idx, mask, AVERAGE: tl.constexpr, WORLD_S
 
 
 @triton.jit
+def copy_chunk(src_ptr, dst_ptr, c, n_elements, CHUNK: tl.constexpr, TAIL: tl.constexpr, SRC_ALIGNED: tl.constexpr,
+               DST_ALIGNED: tl.constexpr):
+    """dst chunk c = src chunk c (*T). *_ALIGNED: a staging buffer (see load_f32)."""
+    idx = tl.cast(c, tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    src = src_ptr + idx
+    dst = dst_ptr + idx
+    if SRC_ALIGNED:
+        src = tl.multiple_of(src, [16])
+    if DST_ALIGNED:
+        dst = tl.multiple_of(dst, [16])
+    if TAIL:
+        tl.store(dst, tl.load(src, mask=idx < n_elements), mask=idx < n_elements)
+    else:
+        tl.store(dst, tl.load(src))
+
+
+@triton.jit
 def copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK: tl.constexpr):
     """Copies this program's chunks of the input (in_ptr: *T) into own_buf (*T,
     this rank's staging buffer): peers read the copy, so the caller may reuse
     its input as soon as the call returns."""
-    for c in range(pid, tl.cdiv(n_elements, CHUNK), nprog):
-        idx, mask = chunk_range(c, n_elements, CHUNK)
-        tl.store(staging_ptrs(own_buf, idx), tl.load(in_ptr + idx, mask=mask), mask=mask)
+    for c in range(pid, n_elements // CHUNK, nprog):
+        copy_chunk(in_ptr, own_buf, c, n_elements, CHUNK, False, False, True)
+    tail = tail_chunk(n_elements, CHUNK)
+    if (tail >= 0) & (tail % nprog == pid):
+        copy_chunk(in_ptr, own_buf, tail, n_elements, CHUNK, True, False, True)
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+@triton.jit
+def store_chunk(ptr, c, values, n_elements, CHUNK: tl.constexpr, TAIL: tl.constexpr, ALIGNED: tl.constexpr):
+    """ptr chunk c = values (ptr: *T; ALIGNED: a staging buffer)."""
+    idx = tl.cast(c, tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ptrs = ptr + idx
+    if ALIGNED:
+        ptrs = tl.multiple_of(ptrs, [16])
+    if TAIL:
+        tl.store(ptrs, values, mask=idx < n_elements)
+    else:
+        tl.store(ptrs, values)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "desc_bytes", "kind", "call"])
 def _kernel(
     in_ptr,       # *T [n_elements]: this rank's input
     out_ptr,      # *T [n_elements]: the result (may be in_ptr: in place)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
-    status_ptr,   # *i32 [STATUS_WORDS]: deadline error record (interpreter; a GPU traps instead)
+    status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
     n_elements,   # elements of the input
     max_bytes,    # bytes of one staging buffer
     rank,         # this rank
     timeout_ns,   # deadline of each barrier wait
+    desc_bytes: tl.int64,  # the call's descriptor (protocol.h CallDesc): payload bytes
+    kind: tl.int32,        # and desc_kind(dtype, ONE_SHOT, MODE_STAGED, average, in place)
+    call: tl.int64,        # the user's call number, for the status record
     WORLD_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,    # elements per chunk: CHUNK_BYTES // element size
     AVERAGE: tl.constexpr,  # divide the sum by WORLD_SIZE
@@ -109,17 +145,22 @@ def _kernel(
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
     copy_in(in_ptr, (own + staging).to(tl.pointer_type(T)), n_elements, pid, nprog, CHUNK)
-    if barrier(regions_ptr, own, START_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr, START_BARRIER,
-               WORLD_SIZE):
+    # No mid barrier: start_call also refreshes the mid flags (the wrap fix).
+    if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False,
+                  WORLD_SIZE):
         # Chunk c belongs to program c % nprog on every rank and in every call.
-        for c in range(pid, tl.cdiv(n_elements, CHUNK), nprog):
-            idx, mask = chunk_range(c, n_elements, CHUNK)
-            tl.store(out_ptr + idx, reduce_chunk(regions_ptr, staging, idx, mask, AVERAGE, WORLD_SIZE, T),
-                     mask=mask)
+        for c in range(pid, n_elements // CHUNK, nprog):
+            store_chunk(out_ptr, c, reduce_chunk(regions_ptr, staging, c, n_elements, CHUNK, AVERAGE, WORLD_SIZE, T,
+                                                 False), n_elements, CHUNK, False, False)
+        tail = tail_chunk(n_elements, CHUNK)
+        if (tail >= 0) & (tail % nprog == pid):
+            store_chunk(out_ptr, tail, reduce_chunk(regions_ptr, staging, tail, n_elements, CHUNK, AVERAGE, WORLD_SIZE,
+                                                    T, True), n_elements, CHUNK, True, False)
 
 
-def launch(input, out, regions, status, rank, world_size, max_bytes, nblocks, average, timeout_ns):
+def launch(input, out, regions, status, rank, world_size, max_bytes, nblocks, average, timeout_ns, desc_bytes,
+           kind, call):
     """Launches the one-shot kernel; arguments as checked by all_reduce."""
-    _kernel[(nblocks,)](input, out, regions, status, input.numel(), max_bytes, rank, timeout_ns,
-                        WORLD_SIZE=world_size, CHUNK=CHUNK_BYTES // input.element_size(),
+    _kernel[(nblocks,)](input, out, regions, status, input.numel(), max_bytes, rank, timeout_ns, desc_bytes, kind,
+                        call, WORLD_SIZE=world_size, CHUNK=CHUNK_BYTES // input.element_size(),
                         AVERAGE=bool(average), num_warps=NUM_WARPS)

@@ -1,25 +1,55 @@
-"""Signal helpers shared by the one-shot and two-shot kernels: the call epoch,
-the per-program barrier (csrc/common/protocol.h, docs/architecture.md) and its
-deadline.
+"""Signal helpers shared by the kernels: the call epoch, the flag stores and
+loads, the start of a call (descriptor, start barrier, agreement check), the
+later barriers and their deadline, the status record, and the agreement-only
+kernel. Protocol: csrc/common/protocol.h (the spec), docs/architecture.md.
 
 The same code runs compiled on a GPU (peer regions mapped with CUDA IPC) and
 under TRITON_INTERPRET=1 on CPU tensors (peer regions in POSIX shared memory).
 Which of the two is decided once, when this module is imported, because that
 is when Triton reads TRITON_INTERPRET (at @triton.jit decoration time).
 
+Flags (issue 13 item 11):
+  GPU          plain `st.release.sys.global.u32` / `ld.acquire.sys.global.u32`
+               in inline PTX, as the CUDA kernels do: a peer reached over PCIe
+               without native peer-to-peer atomics does not guarantee atomics,
+               but it does plain stores and loads. An inline-asm op has no
+               mask and runs in every thread that holds a lane, so a few
+               threads store the same value to the same word: harmless.
+  interpreter  atomics with release/acquire semantics (there is no PTX).
 Deadline clock:
   GPU          %globaltimer (nanoseconds), read with inline PTX.
   interpreter  the host's time.monotonic_ns(). The interpreter runs a kernel as
                plain Python, so the kernel can call a plain Python function;
                the same call also yields the CPU, so that 4 ranks spinning on
                2 cores still let the late rank run.
-Past the deadline:
-  GPU          device_print of barrier, rank, program, epoch and missing ranks,
-               then `trap` (the CUDA context is lost; the host's next
-               synchronisation raises), like the CUDA C++ kernels.
-  interpreter  an error record in the status tensor, which the launcher checks
-               after the launch and turns into a Python exception naming the
-               missing ranks; the program skips the rest of its work.
+
+When a call cannot complete (a deadline passed, or the ranks' descriptors
+differ) a program fills in the status record and returns; it never traps, so
+the process's CUDA context stays usable (issue 13 item 5). The record
+(STATUS_* below) is one per communicator, first writer wins (a claim word
+turned 0 -> 1), with the code written last:
+  interpreter  a CPU tensor. The launcher reads it right after the launch,
+               which has finished by then: a mismatch raises CallMismatch from
+               the call itself, on every rank, and the communicator stays usable.
+  GPU          pinned host memory, which the GPU reaches through unified
+               addressing, so reading it costs the host one memory read and no
+               synchronisation: the cheapest sound choice. (Device memory would
+               need a device-to-host copy, i.e. a stream synchronisation, per
+               check.) The code is stored with st.release.sys after a CTA
+               barrier, so the host that reads a nonzero code reads the fields
+               too. The claim is a device-scope CAS: only this process's
+               kernels write its record. The launcher checks the record before
+               every launch, and an agreement round synchronises its stream and
+               checks after it. A failure of an all_reduce launch is seen at
+               the next call (ranks may see it one call apart), so on a GPU it
+               breaks the communicator, mismatches included; each rank's kernel
+               left its epochs in step, so no later kernel hangs or reads
+               another call's data meanwhile, but the failed call's output
+               was not written. Not yet run on a GPU. Known gap: at the very
+               instant of a deadline, warps of one program can disagree
+               (each reads the clock and the flags itself), and
+               record_failure holds CTA barriers (the claim's broadcast, the
+               one before the code).
 """
 import os
 import time
@@ -34,19 +64,38 @@ _INTERPRET = tl.constexpr(INTERPRET)
 
 # Region layout: the numbers of protocol.h, through pyallreduce._C.
 MAX_RANKS = tl.constexpr(_C.MAX_RANKS)
+MAX_BLOCKS = tl.constexpr(_C.MAX_BLOCKS)
 START_FLAGS_OFFSET = tl.constexpr(_C.START_FLAGS_OFFSET)
 MID_FLAGS_OFFSET = tl.constexpr(_C.MID_FLAGS_OFFSET)
 EPOCH_OFFSET = tl.constexpr(_C.EPOCH_OFFSET)
+DESC_OFFSET = tl.constexpr(_C.DESC_OFFSET)
+DESC_BYTES = tl.constexpr(_C.DESC_BYTES)
 DATA_OFFSET = tl.constexpr(_C.DATA_OFFSET)
+# The bits of a descriptor's second word (epoch | kind << 32) every rank must
+# agree on: all but kind's hint bit (protocol.h kDescCompared, same_call).
+DESC_WORD1_COMPARED = tl.constexpr((_C.DESC_COMPARED << 32 | 0xFFFFFFFF) - (1 << 64))
 # tl.arange needs a power of two: one lane per possible peer.
 RANK_LANES = tl.constexpr(triton.next_power_of_2(_C.MAX_RANKS))
 
-# Which barrier missed its deadline, as written in the status record.
+# Which barrier a deadline passed in.
 START_BARRIER = tl.constexpr(1)
 MID_BARRIER = tl.constexpr(2)
 BARRIER_NAMES = {1: "start", 2: "mid"}
-# Status record (int32): [barrier id (0 = no failure), program, epoch, bitmask of missing ranks].
-STATUS_WORDS = 4
+
+# The status record, int32 words (see the module docstring). constexpr for the
+# kernels; the host reads .value.
+STATUS_CODE = tl.constexpr(0)      # CODE_*; written last
+STATUS_CLAIMED = tl.constexpr(1)   # 0 -> 1 by the first failing program
+STATUS_BARRIER = tl.constexpr(2)   # deadline: START_BARRIER or MID_BARRIER
+STATUS_PROGRAM = tl.constexpr(3)
+STATUS_EPOCH = tl.constexpr(4)     # e of the failed call
+STATUS_MISSING = tl.constexpr(5)   # deadline: bit q set = rank q never arrived
+STATUS_CALL64 = tl.constexpr(3)    # int64 word 3 (int32 words 6, 7): the user's call number
+STATUS_DESCS64 = tl.constexpr(4)   # int64 words 4 + 2q, 5 + 2q: rank q's descriptor as read (mismatch)
+STATUS_WORDS = 2 * (4 + 2 * _C.MAX_RANKS)
+CODE_OK = 0
+CODE_DEADLINE = tl.constexpr(1)  # a rank never arrived: epochs are out of step
+CODE_MISMATCH = tl.constexpr(2)  # descriptors differ: nothing written, epochs in step
 
 
 if INTERPRET:
@@ -61,11 +110,29 @@ else:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                          is_pure=False, pack=1)
 
-    @triton.jit
-    def _trap():
-        # `trap` aborts the kernel; the mov only gives the asm its required output.
-        tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+
+@triton.jit
+def store_release(addrs, values):
+    """*addrs = values (addrs: int64 addresses of 32-bit words), release at system scope."""
+    if _INTERPRET:
+        tl.atomic_xchg(addrs.to(tl.pointer_type(tl.int32)), values, sem="release", scope="sys")
+    else:
+        # The mov only gives the asm the output inline_asm_elementwise requires.
+        tl.inline_asm_elementwise(
+            "{ .reg .u64 g; cvta.to.global.u64 g, $1; st.release.sys.global.u32 [g], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addrs, values], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def load_acquire(addrs):
+    """*addrs (int64 addresses of 32-bit words), acquire at system scope."""
+    if _INTERPRET:
+        # Read-modify-write of 0: the interpreter's acquire load.
+        return tl.atomic_add(addrs.to(tl.pointer_type(tl.int32)), 0, sem="acquire", scope="sys")
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u64 g; cvta.to.global.u64 g, $1; ld.acquire.sys.global.u32 $0, [g]; }",
+            "=r,l", [addrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -75,90 +142,163 @@ def next_epoch(own_base, pid):
     The counter lives in the region, not on the host, so a replayed CUDA graph
     keeps counting. One atomic instead of load + store: on a GPU every thread of
     the program would otherwise load, and a warp that loads after another warp
-    stored would see e instead of e - 1.
+    stored would see e instead of e - 1. Only this rank's program pid touches it.
     """
     epoch_ptr = (own_base + EPOCH_OFFSET).to(tl.pointer_type(tl.int32)) + pid
     return tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1
 
 
 @triton.jit
-def signal_peers(regions_ptr, flags_offset: tl.constexpr, pid, rank, e, WORLD_SIZE: tl.constexpr):
+def signal_peers(regions_ptr, flags_offset: tl.constexpr, pid, rank, e, WORLD_SIZE: tl.constexpr,
+                 ALSO_MID: tl.constexpr = False):
     """Stores e into flags[pid][rank] of every rank's region (regions_ptr: *i64
-    [WORLD_SIZE] region base addresses), release at system scope.
+    [WORLD_SIZE] region base addresses), release at system scope; with
+    ALSO_MID into mid_flags[pid][rank] too (the wrap fix, protocol.h).
 
     The CTA barrier first makes every thread's earlier stores (the staging
-    copy, the two-shot reduction) happen before the releasing store, so a peer
-    that acquires the flag also sees them.
+    copy, the descriptor, the two-shot reduction) happen before the releasing
+    store, so a peer that acquires the flag also sees them.
     """
     tl.debug_barrier()
-    q = tl.arange(0, RANK_LANES)
-    live = q < WORLD_SIZE
-    bases = tl.load(regions_ptr + q, mask=live, other=0)
-    flags = (bases + flags_offset).to(tl.pointer_type(tl.int32)) + (pid * MAX_RANKS + rank)
-    tl.atomic_xchg(flags, tl.full([RANK_LANES], 0, tl.int32) + e, mask=live, sem="release", scope="sys")
+    # Lanes past W repeat rank W - 1: an unmasked flag store (inline asm has
+    # no mask) then only repeats lane W - 1's, which stores the same value.
+    bases = tl.load(regions_ptr + tl.minimum(tl.arange(0, RANK_LANES), WORLD_SIZE - 1))
+    slot = (pid * MAX_RANKS + rank).to(tl.int64) * 4
+    e_lanes = tl.full([RANK_LANES], 0, tl.int32) + e
+    if ALSO_MID:
+        store_release(bases + MID_FLAGS_OFFSET + slot, e_lanes)
+    store_release(bases + flags_offset + slot, e_lanes)
 
 
 @triton.jit
-def _report_deadline(status_ptr, barrier_id: tl.constexpr, rank, pid, e, missing):
+def record_failure(status_ptr, code: tl.constexpr, barrier_id, pid, e, missing, call, descs,
+                   WORLD_SIZE: tl.constexpr):
+    """Fills in the status record (status_ptr: *i32 [STATUS_WORDS]) unless an
+    earlier failing program did; descs: [RANK_LANES, 2] int64 descriptor
+    words as read (mismatch), or 0."""
     if _INTERPRET:
-        # Keep the first failing program's record; the launcher raises from it.
-        if tl.load(status_ptr) == 0:
-            tl.store(status_ptr + 1, pid)
-            tl.store(status_ptr + 2, e)
-            tl.store(status_ptr + 3, missing)
-            tl.store(status_ptr, barrier_id)
+        won = tl.load(status_ptr + STATUS_CLAIMED) == 0  # programs run one after another here
+        tl.store(status_ptr + STATUS_CLAIMED, 1)
     else:
-        # One value per print: Triton prints each operand on its own line anyway.
-        # The line prefix "pid (x, 0, 0)" names the program.
-        tl.device_print("pyallreduce triton: barrier deadline passed on rank", rank)
-        tl.device_print("pyallreduce triton: in barrier (1 start, 2 mid)", barrier_id)
-        tl.device_print("pyallreduce triton: of call (epoch)", e)
-        tl.device_print("pyallreduce triton: missing ranks, bit q set = rank q never arrived", missing)
-        _trap()
+        won = tl.atomic_cas(status_ptr + STATUS_CLAIMED, 0, 1, sem="relaxed", scope="gpu") == 0
+    if won:
+        tl.store(status_ptr + STATUS_BARRIER, barrier_id)
+        tl.store(status_ptr + STATUS_PROGRAM, pid)
+        tl.store(status_ptr + STATUS_EPOCH, e)
+        tl.store(status_ptr + STATUS_MISSING, missing)
+        words = status_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        tl.store(words + STATUS_CALL64, call.to(tl.int64))
+        q = tl.arange(0, RANK_LANES)[:, None]
+        k = tl.arange(0, 2)[None, :]
+        tl.store(words + STATUS_DESCS64 + 2 * q + k, descs, mask=(q < WORLD_SIZE) & (k < 2))
+        # Code last, after a CTA barrier: whichever thread's release store the
+        # host sees, the fields above (one thread's plain stores) precede it.
+        tl.debug_barrier()
+        store_release((status_ptr + STATUS_CODE).to(tl.int64), tl.full((), code, tl.int32))
 
 
 @triton.jit
-def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr,
+def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr, call,
                barrier_id: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """Spins until flags[pid][q] of this rank's region (own_base: its address)
     has reached e for every q < WORLD_SIZE, acquire at system scope; returns
-    True then. Past timeout_ns it reports the missing ranks (see the module
-    docstring; status_ptr: *i32 [STATUS_WORDS]) and returns False.
+    True then. Past timeout_ns it records the missing ranks in the status
+    record and returns False.
     """
     q = tl.arange(0, RANK_LANES)
     live = q < WORLD_SIZE
-    flags = (own_base + flags_offset).to(tl.pointer_type(tl.int32)) + (pid * MAX_RANKS + q)
+    flags = own_base + flags_offset + (pid * MAX_RANKS + tl.minimum(q, WORLD_SIZE - 1)).to(tl.int64) * 4
     deadline = clock_ns() + timeout_ns.to(tl.int64)
     reached = q >= WORLD_SIZE
     state = tl.full((), 0, tl.int32)  # 0 waiting, 1 every peer arrived, 2 deadline passed
     if _INTERPRET:
         # An earlier program of this launch already missed its deadline: the
-        # call has failed, do not wait a second time.
-        state = tl.where(tl.load(status_ptr) != 0, 2, 0)
+        # call has failed, do not wait a second time. (A mismatch recorded by an
+        # earlier program does not count: this program still has to meet its
+        # peers to stay in step.)
+        state = tl.where(tl.load(status_ptr + STATUS_CODE) == CODE_DEADLINE, 2, 0)
     while state == 0:
-        # Read-modify-write of 0: an acquire load that works on both targets.
-        seen = tl.atomic_add(flags, 0, mask=live, sem="acquire", scope="sys")
+        seen = load_acquire(flags)
         # "Reached" is seen - e in {0, 1} (protocol.h, epoch_reached): a peer may
         # already be one barrier ahead and have overwritten e with e + 1, and a
-        # stale mid flag of any age must not count. The int32 difference wraps.
+        # stale flag must not count. The int32 difference wraps.
         ahead = seen - e
         reached = ((ahead == 0) | (ahead == 1)) | ~live
         arrived = tl.min(reached.to(tl.int32), axis=0) == 1
         state = tl.where(arrived, 1, tl.where(clock_ns() > deadline, 2, 0))
     if state == 2:
         missing = tl.sum(tl.where(reached, 0, 1 << q), axis=0)
-        _report_deadline(status_ptr, barrier_id, rank, pid, e, missing)
+        record_failure(status_ptr, CODE_DEADLINE, barrier_id, pid, e, missing, call,
+                       tl.zeros([RANK_LANES, 2], tl.int64), WORLD_SIZE)
     # Every thread's later loads of peer data come after the acquire above.
     tl.debug_barrier()
     return state == 1
 
 
 @triton.jit
-def barrier(regions_ptr, own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr,
+def barrier(regions_ptr, own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr, call,
             barrier_id: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """Barrier of program pid at epoch e among the same program of every rank."""
+    """A later barrier (mid) of program pid at epoch e among the same program of every rank."""
     signal_peers(regions_ptr, flags_offset, pid, rank, e, WORLD_SIZE)
-    return wait_peers(own_base, flags_offset, pid, rank, e, timeout_ns, status_ptr, barrier_id, WORLD_SIZE)
+    return wait_peers(own_base, flags_offset, pid, rank, e, timeout_ns, status_ptr, call, barrier_id, WORLD_SIZE)
+
+
+@triton.jit
+def start_call(regions_ptr, own_base, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call,
+               HAS_MID: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """The start of call e (protocol.h): publish this rank's descriptor to every
+    peer, signal (start flags, and the mid flags too when the call has no mid
+    barrier: the wrap fix), wait for every peer, and check every peer's
+    descriptor against ours before any peer data is read. Returns True when the
+    call may go on. Otherwise the status record says why (deadline, or
+    mismatch); on a mismatch this program is back in step with its peers
+    (protocol.h): its epoch counter stays e (every Triton call uses one
+    epoch) and its mid flags are at e, so every rank continues from e + 1.
+    """
+    # CallDesc as two int64 words: bytes, then epoch | kind << 32.
+    words = tl.arange(0, 2)
+    mine = tl.where(words == 0, desc_bytes.to(tl.int64), (e.to(tl.int64) & 0xFFFFFFFF) | (kind.to(tl.int64) << 32))
+    q = tl.minimum(tl.arange(0, RANK_LANES), WORLD_SIZE - 1)[:, None]
+    # Byte offset of desc[e % 2][pid][0] (protocol.h desc_offset), and of its words.
+    descs_offset = DESC_OFFSET + ((e & 1).to(tl.int64) * MAX_BLOCKS + pid) * MAX_RANKS * DESC_BYTES + words * 8
+    # Into every peer's desc[e % 2][pid][rank], plain stores; signal_peers'
+    # CTA barrier and release publish them with the flag.
+    bases = tl.load(regions_ptr + q)
+    tl.store((bases + descs_offset + rank * DESC_BYTES).to(tl.pointer_type(tl.int64)),
+             tl.broadcast_to(mine[None, :], [RANK_LANES, 2]))
+    signal_peers(regions_ptr, START_FLAGS_OFFSET, pid, rank, e, WORLD_SIZE, ALSO_MID=not HAS_MID)
+    ok = wait_peers(own_base, START_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr, call, START_BARRIER,
+                    WORLD_SIZE)
+    if ok:
+        # After the acquire (and wait_peers' CTA barrier): rank q's descriptor of e.
+        descs = tl.load((own_base + descs_offset + q * DESC_BYTES).to(tl.pointer_type(tl.int64)))
+        compared = tl.where(words == 0, -1, DESC_WORD1_COMPARED).to(tl.int64)  # -1: every bit
+        agree = tl.min(tl.min((((descs ^ mine[None, :]) & compared[None, :]) == 0).to(tl.int32), axis=1), axis=0) == 1
+        if not agree:
+            if HAS_MID:  # the call skips its mid barrier: store e there, as a call without one does
+                signal_peers(regions_ptr, MID_FLAGS_OFFSET, pid, rank, e, WORLD_SIZE)
+            record_failure(status_ptr, CODE_MISMATCH, 0, pid, e, 0, call, descs, WORLD_SIZE)
+        ok = agree
+    return ok
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "desc_bytes", "kind", "call"])
+def _agree_kernel(
+    regions_ptr,         # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
+    status_ptr,          # *i32 [STATUS_WORDS]: the status record
+    rank,                # this rank
+    timeout_ns,          # deadline of the start barrier
+    desc_bytes: tl.int64,  # the descriptor: the call's payload in bytes
+    kind: tl.int32,      # the descriptor's kind (desc_kind, algo AGREE_ONLY)
+    call: tl.int64,      # the user's call number, for the status record
+    WORLD_SIZE: tl.constexpr,
+):
+    """The agreement round (protocol.h kAgreeOnly): each program advances its
+    epoch and runs the start of a call without a mid barrier; no data moves."""
+    pid = tl.program_id(0)
+    own = tl.load(regions_ptr + rank)
+    e = next_epoch(own, pid)
+    start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False, WORLD_SIZE)
 
 
 def missing_ranks(mask, world_size):

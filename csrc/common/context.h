@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,31 @@ struct Context {
   // Set by destroy_context under in_flight: a thread that fetched the context
   // just before close() must not touch the (soon unmapped) regions.
   bool closed = false;
+  // Collectives started on this context (agreement rounds included): the "call
+  // N" of error messages, counted from 1.
+  int64_t calls = 0;
+  // Host backend (csrc/cpu/all_reduce.cpp, host_all_reduce): calls left for
+  // which this rank still reports contended cores (its hint kDescContended),
+  // and whether any rank's hint said so in the last call, which every rank
+  // reads alike.
+  int contended_calls = 0;
+  bool merge_rounds = false;
 
   char* own_region() const { return regions[rank]; }
 };
+
+// The ranks' descriptors of one call differ (protocol.h, "agree"). Every rank
+// throws the same text, nothing was reduced, and the protocol put every rank's
+// epochs back in step: unlike any other failure mid-protocol, the context
+// stays usable.
+struct CallMismatch : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The text of CallMismatch: every rank's call, one line each.
+std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size);
+// Whether every descs[q] equals mine (epoch included).
+bool calls_agree(const CallDesc& mine, const CallDesc* descs, int world_size);
 
 // Registry of live contexts, indexed by handle.
 int64_t register_context(std::unique_ptr<Context> ctx);

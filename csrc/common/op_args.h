@@ -32,6 +32,17 @@ void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input,
 // dispatcher (pyallreduce._C.try_all_reduce_eager; see csrc/module.cpp).
 bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl);
 
+// A backend's agreement round (protocol.h, kAgreeOnly): publishes `desc` (its
+// epoch is filled in), meets the peers at the start barrier and throws
+// CallMismatch unless every rank published the same; moves no data. Run by
+// pyallreduce._C.agree before a call goes to torch.distributed, and for empty
+// tensors, so that those calls too are checked against the peers' calls.
+using AgreeImpl = void (*)(Context& ctx, CallDesc desc);
+bool register_agree_impl(c10::DeviceType type, AgreeImpl impl);
+
+// desc_kind's dtype field for a tensor's dtype.
+inline uint32_t dtype_code(at::ScalarType t) { return static_cast<uint32_t>(t); }
+
 // The three op entry points (schemas in csrc/module.cpp) over one backend's Impl.
 template <AllReduceImpl Impl>
 struct OpEntryPoints {

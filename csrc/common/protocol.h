@@ -7,33 +7,52 @@
 //   offset 0                 start_flags[kMaxBlocks][kMaxRanks]  uint32
 //   kMidFlagsOffset          mid_flags  [kMaxBlocks][kMaxRanks]  uint32
 //   kEpochOffset             epoch      [kMaxBlocks]             uint32
+//   kDescOffset              desc[2][kMaxBlocks][kMaxRanks]      CallDesc (16 bytes)
+//   kSleepOffset             sleeping                            uint32 (host backend)
 //   kDataOffset              data[2][max_bytes]                  staging buffers
 //
-// start_flags[b][q] / mid_flags[b][q] in rank r's region are written only by
-// rank q's block b (one 32-bit word per writer: no two ranks ever write bytes
-// of one word) and read only by rank r. epoch[b] is read and advanced only by
-// the owning rank's block b: the call counter lives beside the flags (device
-// memory on GPU) so a replayed CUDA graph keeps counting.
+// start_flags[b][q] / mid_flags[b][q] / desc[*][b][q] in rank r's region are
+// written only by rank q's block b (one 32-bit word per writer: no two ranks
+// ever write bytes of one word) and read only by rank r. epoch[b] is read and
+// advanced only by the owning rank's block b: the call counter lives beside
+// the flags (device memory on GPU) so a replayed CUDA graph keeps counting.
 //
 // Protocol for one call of block b (W ranks, e = ++epoch[b]):
 //   copy-in    input -> own data[e % 2]            (alternating buffers: see below)
-//   start      for q: peer[q].start_flags[b][me] = e  (release, system scope)
+//   start      for q: peer[q].desc[e % 2][b][me] = my CallDesc for e  (plain stores)
+//                     peer[q].start_flags[b][me] = e  (release, system scope)
+//                     no mid barrier in this call (one-shot, agreement round):
+//                     peer[q].mid_flags[b][me] = e (release)
 //              wait own.start_flags[b][q] reached e for every q (acquire)
+//   agree      own.desc[e % 2][b][q] == my CallDesc for every q (epoch included),
+//              checked before any peer data is read; else every rank raises
+//              the same error listing every rank's call (calls_agree();
+//              bit kDescContended of `kind` is a hint and not compared).
 //   one-shot   out = sum over q = 0..W-1 of peer[q].data[e % 2]   (fixed order)
 //   two-shot   reduce my owned chunks from every peer into own data[e % 2],
 //              mid barrier on mid_flags (same shape), gather every owner's chunks.
 //
-// No end barrier: a rank overwrites data[e % 2] again only in call e + 2,
-// after passing the start barrier of call e + 1, which each peer reaches only
-// after finishing call e (the last reader of that buffer).
+// Why a call without a mid barrier still stores e into the mid flags: "reached"
+// (epoch_reached below) is flag - e in {0, 1} modulo 2^32, so a mid flag left
+// by a two-shot call exactly 2^32 - 1 or 2^32 epochs earlier (or the zeroed
+// region's 0 when the first two-shot call runs at epoch 0 or 2^32 - 1) would
+// pass the mid barrier before the peer reduced its chunks. Refreshed by every
+// call, a mid flag is never more than two epochs old (a zero-copy call uses
+// two), so it can never alias. Checked for any history by tests/model.
 //
-// That argument is per block, so on every rank, in every call and in both
-// algorithms, a given element must be touched by the same block. Elements are
-// grouped in chunks of a width fixed by the backend (threads-per-block x one
-// 16-byte vector on GPU); chunk c belongs to block c % nblocks, with nblocks
-// fixed for the communicator's life. See chunk_owner_rank(). (The host backend
-// runs one block per rank, so there any split the ranks agree on within a call
-// is sound; it uses contiguous slices, see csrc/cpu/all_reduce.cpp.)
+// Why the descriptors are double-buffered by epoch parity: a peer that passed
+// the start barrier of e may already publish call e + 1 while we still read
+// its descriptor of e; it rewrites desc[e % 2] only in call e + 2, after the
+// start barrier of e + 1, which needs our flag e + 1, stored after our check.
+// On a mismatch every rank skips the call's data (no output is written), sets
+// its epoch counter back to e (a kind that uses two epochs had reserved
+// e + 1) and stores e into its mid flags, so every rank continues from e + 1
+// in step. (Skipping to e + 2 where some rank's call used two epochs would let
+// the rank that found the mismatch first overwrite its start flag and
+// desc[e % 2] before a slower peer read them: a deadlock tests/model found.)
+//
+// tests/model/protocol.pml models this protocol for every interleaving; keep
+// the two in step (tests/model/README.md maps one onto the other).
 #pragma once
 
 #include <cstdint>
@@ -50,7 +69,13 @@ constexpr int64_t kFlagArrayBytes = int64_t(kMaxBlocks) * kMaxRanks * sizeof(uin
 constexpr int64_t kStartFlagsOffset = 0;
 constexpr int64_t kMidFlagsOffset = kStartFlagsOffset + kFlagArrayBytes;
 constexpr int64_t kEpochOffset = kMidFlagsOffset + kFlagArrayBytes;
-constexpr int64_t kSignalBytes = kEpochOffset + int64_t(kMaxBlocks) * sizeof(uint32_t);
+constexpr int64_t kDescOffset = kEpochOffset + int64_t(kMaxBlocks) * sizeof(uint32_t);
+constexpr int64_t kDescBytes = 16;  // sizeof(CallDesc): one 16-byte vector store on GPU
+constexpr int64_t kDescArrayBytes = 2 * int64_t(kMaxBlocks) * kMaxRanks * kDescBytes;
+// The host backend's "I may be asleep on a futex" word, alone on its cache line
+// (peers read it after every flag store; see csrc/cpu/all_reduce.cpp).
+constexpr int64_t kSleepOffset = kDescOffset + kDescArrayBytes;
+constexpr int64_t kSignalBytes = kSleepOffset + 64;
 constexpr int64_t kDataOffset = (kSignalBytes + kAlignment - 1) / kAlignment * kAlignment;
 
 // Algorithm ids as passed to the custom op (pyallreduce/communicator.py maps names).
@@ -66,14 +91,78 @@ inline constexpr int64_t staging_offset(uint32_t epoch, int64_t max_bytes) {
 inline constexpr int64_t flag_index(int block, int rank) {
   return int64_t(block) * kMaxRanks + rank;
 }
+// Byte offset in a region of desc[epoch % 2][block][rank].
+inline constexpr int64_t desc_offset(uint32_t epoch, int block, int rank) {
+  return kDescOffset + ((int64_t(epoch & 1u) * kMaxBlocks + block) * kMaxRanks + rank) * kDescBytes;
+}
+
+// What one call of one rank is, published with its start flag. Ranks whose
+// descriptors differ would pair different calls: wrong sums, reads past a
+// smaller peer's data, or barriers that never meet. `kind` packs:
+//   bits 0-7   dtype: the c10::ScalarType value (torch's numbering, the same on
+//              every rank of one installation; Python: pyallreduce._C.dtype_code)
+//   bits 8-15  algo: kOneShot, kTwoShot, or kAgreeOnly (no data moves)
+//   bits 16-23 mode: kStaged..kRegisteredInPlace (CUDA), kModeFallback
+//   bit 24     average
+//   bit 25     in place
+//   bit 26     a hint, not compared (kDescCompared): this rank's waits inside
+//              its last call slept, i.e. its cores are contended (host backend:
+//              when any rank says so, every rank merges the call's later rounds,
+//              see csrc/cpu/all_reduce.cpp)
+struct CallDesc {
+  uint64_t bytes;   // the whole call's payload (all of its rounds on CPU)
+  uint32_t epoch;   // e: catches a descriptor that is not this call's
+  uint32_t kind;
+};
+static_assert(sizeof(CallDesc) == kDescBytes, "CallDesc must stay one 16-byte vector");
+constexpr uint32_t kDescContended = 1u << 26;
+constexpr uint32_t kDescCompared = ~kDescContended;  // the bits of `kind` every rank must agree on
+
+// Whether two ranks' descriptors describe the same call (epoch included).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline bool same_call(const CallDesc& a, const CallDesc& b) {
+  return a.bytes == b.bytes && a.epoch == b.epoch && ((a.kind ^ b.kind) & kDescCompared) == 0;
+}
+
+// A call that moves no data through the kernels: the agreement round a rank
+// runs before a call it sends to torch.distributed (kModeFallback), so that a
+// fallback call facing a kernel call on another rank raises on both instead
+// of each waiting for the other.
+constexpr int64_t kAgreeOnly = 2;
+// Where a call's sources live (CUDA's zero-copy modes: csrc/cuda/all_reduce.cuh),
+// or that the call goes to torch.distributed.
+constexpr uint32_t kModeStaged = 0;
+constexpr uint32_t kModeRegistered = 1;
+constexpr uint32_t kModeRegisteredInPlace = 2;
+constexpr uint32_t kModeFallback = 3;
+
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr uint32_t desc_kind(uint32_t dtype, uint32_t algo, uint32_t mode, bool average,
+                                    bool in_place) {
+  return (dtype & 0xFFu) | (algo & 0xFFu) << 8 | (mode & 0xFFu) << 16 | uint32_t(average) << 24 |
+         uint32_t(in_place) << 25;
+}
+// Epochs a call of this kind uses on the CUDA kernels: the zero-copy end
+// barrier waits on start_flags at e + 1 (all_reduce.cuh); everything else 1
+// (and every call of the host and Triton backends).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr uint32_t desc_epochs_used(uint32_t kind) {
+  const uint32_t algo = (kind >> 8) & 0xFFu, mode = (kind >> 16) & 0xFFu;
+  return (mode == kModeRegistered && algo == uint32_t(kOneShot)) || mode == kModeRegisteredInPlace ? 2u : 1u;
+}
 
 // Flags only ever move forward, and a peer can be at most one barrier ahead of
 // us (it cannot pass barrier e+1 before we arrived at it). So while we wait for
 // e, a peer's flag holds e or e+1 (arrived: e+1 was written over e) or an older
-// epoch (not there yet; a mid flag keeps the epoch of the last two-shot call,
-// however long ago). "Reached" is flag - e in {0, 1} modulo 2^32: wrap-safe, and
-// a stale flag of any age reads as not arrived (a signed "flag - e >= 0" would
-// accept a mid flag 2^31 epochs old: ~36 minutes of 1 us one-shot calls).
+// epoch, at most two behind (not there yet: every call stores both flags, see
+// above). "Reached" is flag - e in {0, 1} modulo 2^32: wrap-safe because no
+// flag is ever 2^32 - 2 epochs stale.
 #if defined(__CUDACC__)
 __host__ __device__
 #endif

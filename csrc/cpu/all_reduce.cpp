@@ -4,8 +4,14 @@
 // threads between them (one thread with OMP_NUM_THREADS=1).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
 
 #include <chrono>
 #include <cstring>
@@ -24,16 +30,36 @@ constexpr int64_t kSliceAlignBytes = 64;   // two-shot slice boundaries: one wri
 constexpr int64_t kTileElems = 512;        // fp32 accumulator tile, stays in L1
 constexpr int64_t kParallelGrainBytes = 256 << 10;
 constexpr int64_t kRoundBytes = 256 << 10;  // see host_all_reduce; a multiple of every element size
-// Then yield: with more ranks than cores the rank we wait for needs our core.
-// ~5 us of pause on recent x86; a yield with nothing else to run costs ~0.3 us.
-constexpr int kSpinsBeforeYield = 128;
-constexpr int kSpinsPerClockCheck = 256;
+// A long wait inside a call makes this rank report contended cores for this
+// many calls (see host_all_reduce): once merged, a call has few inner waits
+// left to notice contention with, so one short call must not end it.
+constexpr int kContendedCalls = 100;
+
+// Waiting for a peer, in three stages (see wait_reached):
+//   spin with pause    the peer is running and a few microseconds away: the
+//                      common case on an idle machine, where latency is all;
+//   sched_yield        our core may be what the peer needs (more ranks than
+//                      cores): hand it over, but stay runnable;
+//   sleep on a futex   the peer is far away (uneven compute before the call, a
+//                      busy machine): stop taking a core from anyone. The peer's
+//                      flag store wakes us (signal_peers checks our sleep word).
+constexpr int kPauseSpins = 128;   // ~5 us of pause on recent x86
+constexpr auto kYieldFor = std::chrono::microseconds(20);
+constexpr int kSpinsPerClockCheck = 16;
+constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);  // also the longest single sleep
 
 uint32_t* flags(char* region, int64_t offset) {
   return reinterpret_cast<uint32_t*>(region + offset);
 }
+uint32_t* sleep_word(char* region) { return flags(region, kSleepOffset); }
 
-constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
+// A shared (not FUTEX_PRIVATE) futex: the word lives in memory mapped by
+// several processes, at different addresses.
+void futex_wait(uint32_t* word, uint32_t seen, std::chrono::nanoseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000000), static_cast<long>(timeout.count() % 1000000000)};
+  syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, nullptr, 0);  // EAGAIN, EINTR, ETIMEDOUT: the caller re-checks
+}
+void futex_wake(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
 
 // A peer process that exited, or was killed and not yet reaped by its parent
 // (a zombie still answers kill(pid, 0)), will never arrive.
@@ -48,48 +74,120 @@ bool rank_process_gone(int64_t pid) {
          (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
 }
 
-// Barrier on one flag array (start or mid): tell every peer we reached epoch e,
-// then wait until every peer told us the same. Raises with the missing ranks
-// when the deadline passes or a peer's process is gone.
-void barrier(const Context& ctx, int64_t flags_offset, uint32_t e, const char* where) {
+// Stores e into flags[kBlock][me] of every rank's region (release), for each
+// of the flag arrays given, then wakes any peer asleep on them. The fence
+// pairs with the sleeper's (wait_reached): either the sleeper's re-check
+// sees our flag, or we see its sleep word and wake it.
+void signal_peers(const Context& ctx, std::initializer_list<int64_t> flag_arrays, uint32_t e) {
   for (int q = 0; q < ctx.world_size; ++q) {
-    __atomic_store_n(flags(ctx.regions[q], flags_offset) + flag_index(kBlock, ctx.rank), e,
-                     __ATOMIC_RELEASE);
+    for (int64_t offset : flag_arrays) {
+      __atomic_store_n(flags(ctx.regions[q], offset) + flag_index(kBlock, ctx.rank), e, __ATOMIC_RELEASE);
+    }
   }
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  for (int q = 0; q < ctx.world_size; ++q) {
+    if (q == ctx.rank || __atomic_load_n(sleep_word(ctx.regions[q]), __ATOMIC_RELAXED) == 0) continue;
+    for (int64_t offset : flag_arrays) futex_wake(flags(ctx.regions[q], offset) + flag_index(kBlock, ctx.rank));
+  }
+}
+
+// Waits until every peer's flag in the array at flags_offset of our own region
+// has reached e (acquire); returns whether the wait was long (past the yield
+// stage, kYieldFor). Raises naming the ranks that never arrived when the
+// deadline passes or a peer's process is gone.
+bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const char* where) {
   uint32_t* own = flags(ctx.own_region(), flags_offset);
   auto arrived = [&](int q) {
     return epoch_reached(__atomic_load_n(own + flag_index(kBlock, q), __ATOMIC_ACQUIRE), e);
   };
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + std::chrono::nanoseconds(ctx.timeout_ns);
-  auto next_liveness_check = start + kLivenessCheckPeriod;
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point start{}, deadline{}, sleep_from{}, next_liveness_check{};
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
-      if (spins < kSpinsBeforeYield) {
+      if (spins <= kPauseSpins) {
         _mm_pause();
-      } else {
-        sched_yield();
+        continue;
       }
-      if (spins % kSpinsPerClockCheck != 0) continue;
-      const auto now = std::chrono::steady_clock::now();
+      const bool check_clock = spins % kSpinsPerClockCheck == 0;
+      const auto now = check_clock || start == Clock::time_point{} ? Clock::now() : Clock::time_point{};
+      if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
+        start = now;
+        deadline = start + std::chrono::nanoseconds(ctx.timeout_ns);
+        sleep_from = start + kYieldFor;
+        next_liveness_check = start + kLivenessCheckPeriod;
+      }
+      if (!check_clock) {
+        sched_yield();
+        continue;
+      }
       bool dead = false;
       if (now >= next_liveness_check && !ctx.pids.empty()) {
         dead = rank_process_gone(ctx.pids[q]);
         next_liveness_check = now + kLivenessCheckPeriod;
       }
-      if (!dead && now < deadline) continue;
+      if (!dead && now < deadline) {
+        if (now < sleep_from) {
+          sched_yield();
+          continue;
+        }
+        uint32_t* word = own + flag_index(kBlock, q);
+        uint32_t* sleeping = sleep_word(ctx.own_region());
+        __atomic_store_n(sleeping, 1u, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);  // pairs with signal_peers' fence
+        const uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (!epoch_reached(seen, e)) {
+          futex_wait(word, seen, std::min<Clock::duration>(deadline - now, kLivenessCheckPeriod));
+        }
+        __atomic_store_n(sleeping, 0u, __ATOMIC_RELAXED);
+        continue;
+      }
       std::ostringstream missing;
       for (int p = 0; p < ctx.world_size; ++p) {
         if (!arrived(p)) missing << " " << p;
       }
-      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      double waited = std::chrono::duration<double>(Clock::now() - start).count();
       TORCH_CHECK(false, "pyallreduce: rank ", ctx.rank, " waited ", waited, " s in the ", where,
-                  " barrier of call ", e, "; rank(s)", missing.str(), " never arrived",
+                  " barrier of collective call ", ctx.calls, " on this communicator; rank(s)", missing.str(),
+                  " never arrived there",
                   dead ? " (rank " + std::to_string(q) + "'s process has exited)" : std::string(),
                   ". Every rank must make the same collective calls in the same order.");
     }
   }
+  // Measured at the end: a wait whose yields were descheduled for a long time
+  // may find every flag there at its next look.
+  return start != Clock::time_point{} && Clock::now() - start >= kYieldFor;
 }
+
+// The start of call e (protocol.h): publish our descriptor, signal, wait for
+// every peer, and check that every peer published the same call. A call
+// without a mid barrier also stores e into the mid flags (the wrap fix).
+// On a mismatch, leaves every rank's epoch and mid flags in step (protocol.h)
+// and throws CallMismatch. Returns whether any rank's cores are contended
+// (kDescContended), and in *long_wait whether this wait was long.
+bool start_call(Context& ctx, CallDesc mine, bool has_mid_barrier, bool* long_wait) {
+  const uint32_t e = mine.epoch;
+  for (int q = 0; q < ctx.world_size; ++q) {
+    std::memcpy(ctx.regions[q] + desc_offset(e, kBlock, ctx.rank), &mine, sizeof mine);
+  }
+  if (has_mid_barrier) {
+    signal_peers(ctx, {kStartFlagsOffset}, e);
+  } else {
+    signal_peers(ctx, {kStartFlagsOffset, kMidFlagsOffset}, e);
+  }
+  *long_wait = wait_reached(ctx, kStartFlagsOffset, e, "start");
+  CallDesc descs[kMaxRanks];
+  std::memcpy(descs, ctx.own_region() + desc_offset(e, kBlock, 0), ctx.world_size * sizeof(CallDesc));
+  if (calls_agree(mine, descs, ctx.world_size)) {
+    bool contended = false;
+    for (int q = 0; q < ctx.world_size; ++q) contended |= (descs[q].kind & kDescContended) != 0;
+    return contended;
+  }
+  // The epoch counter is e already (every host call uses one epoch).
+  if (has_mid_barrier) signal_peers(ctx, {kMidFlagsOffset}, e);
+  throw CallMismatch(mismatch_message(ctx.calls, e, descs, ctx.world_size));
+}
+
+uint32_t next_epoch(Context& ctx) { return ++*(flags(ctx.own_region(), kEpochOffset) + kBlock); }
 
 // dst[i] = cast(sum over q in order 0..W-1 of float(src[q][i])) (/ W), i in [0, n),
 // also stored to dst2 unless it is null. Fixed order and fp32 accumulation make
@@ -266,26 +364,35 @@ void parallel_copy(char* dst, const char* src, int64_t bytes) {
   });
 }
 
-// One protocol round (one epoch) over bytes [0, bytes) of src into dst.
-void all_reduce_round(Context& ctx, at::ScalarType dtype, const char* src, char* dst, int64_t bytes,
-                      int64_t algo, bool average) {
+// What one round learnt about waiting (see host_all_reduce).
+struct RoundWaits {
+  bool contended = false;    // some rank's descriptor says its cores are contended
+  bool long_start = false;   // this rank waited long in the start barrier
+  bool long_mid = false;     // ... in the mid barrier
+};
+
+// One protocol round (one epoch) over bytes [0, bytes) of src into dst;
+// `call` describes the whole call (protocol.h CallDesc), the same in every round.
+RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, const char* src, char* dst,
+                            int64_t bytes, int64_t algo, bool average) {
+  RoundWaits waits;
   const int64_t elem = at::elementSize(dtype);
   const int world = ctx.world_size;
-  uint32_t* epoch = flags(ctx.own_region(), kEpochOffset) + kBlock;
-  const uint32_t e = ++*epoch;
+  call.epoch = next_epoch(ctx);
+  const uint32_t e = call.epoch;
   const int64_t staging = staging_offset(e, ctx.max_bytes);
   char* bufs[kMaxRanks];
   for (int q = 0; q < world; ++q) bufs[q] = ctx.regions[q] + staging;
   char* own = bufs[ctx.rank];
 
   parallel_copy(own, src, bytes);
-  barrier(ctx, kStartFlagsOffset, e, "start");
+  waits.contended = start_call(ctx, call, algo == kTwoShot, &waits.long_start);
 
   if (algo == kOneShot) {
     at::parallel_for(0, bytes / elem, kParallelGrainBytes / elem, [&](int64_t b, int64_t end) {
       reduce_range(dtype, bufs, world, dst, nullptr, b * elem, end * elem, average);
     });
-    return;
+    return waits;
   }
   // Two-shot: rank q reduces slice q (contiguous, so the hardware prefetchers
   // stream it) from every rank's buffer into both its own buffer and out; after
@@ -302,28 +409,56 @@ void all_reduce_round(Context& ctx, at::ScalarType dtype, const char* src, char*
   for_slice(ctx.rank, [&](int64_t b, int64_t end) {
     reduce_range(dtype, bufs, world, dst, own, b, end, average);
   });
-  barrier(ctx, kMidFlagsOffset, e, "mid");
+  signal_peers(ctx, {kMidFlagsOffset}, e);
+  waits.long_mid = wait_reached(ctx, kMidFlagsOffset, e, "mid");
   for (int i = 1; i < world; ++i) {
     const int q = (ctx.rank + i) % world;  // ranks start on different owners
     for_slice(q, [&](int64_t b, int64_t end) { std::memcpy(dst + b, bufs[q] + b, end - b); });
   }
+  return waits;
 }
 
 // Large messages go in rounds of kRoundBytes: each round's staging copy is still
 // in cache when the peers read it, where one round over the whole message would
-// have evicted its start by then (L2 is a few MiB). Costs one barrier per round.
+// have evicted its start by then (L2 is a few MiB). Costs two barriers per round,
+// which is cheap while every rank has a core to itself, and not when the ranks
+// share cores (more ranks than cores, other busy processes): then each barrier
+// waits for a descheduled peer to get a core back. So a rank that waited long
+// inside a call says so in the descriptors of its next kContendedCalls calls
+// (kDescContended), and after a call in which any rank said so, every rank
+// runs its next call in one round. Every rank reads the same descriptors, so
+// the ranks always agree on the rounds.
 void host_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
                      bool average) {
   const int64_t bytes = input.nbytes();
   const auto* src = static_cast<const char*>(input.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
-  for (int64_t done = 0; done < bytes; done += kRoundBytes) {
-    all_reduce_round(ctx, input.scalar_type(), src + done, dst + done, std::min(kRoundBytes, bytes - done),
-                     algo, average);
+  const uint32_t kind = desc_kind(dtype_code(input.scalar_type()), algo, kModeStaged, average,
+                                  input.data_ptr() == out.data_ptr()) |
+                        (ctx.contended_calls > 0 ? kDescContended : 0u);
+  const CallDesc call{static_cast<uint64_t>(bytes), 0, kind};
+  const int64_t round_bytes = ctx.merge_rounds ? bytes : kRoundBytes;
+  bool any_contended = false, long_inside = false;
+  for (int64_t done = 0; done < bytes; done += round_bytes) {
+    const RoundWaits waits = all_reduce_round(ctx, call, input.scalar_type(), src + done, dst + done,
+                                              std::min(round_bytes, bytes - done), algo, average);
+    any_contended = any_contended || waits.contended;
+    // The first wait of a call also waits for ranks still computing: not contention.
+    long_inside = long_inside || waits.long_mid || (done > 0 && waits.long_start);
   }
+  ctx.merge_rounds = any_contended;
+  ctx.contended_calls = long_inside ? kContendedCalls : std::max(0, ctx.contended_calls - 1);
+}
+
+void host_agree(Context& ctx, CallDesc desc) {
+  desc.epoch = next_epoch(ctx);
+  bool long_wait;
+  start_call(ctx, desc, false, &long_wait);
 }
 
 }  // namespace
 }  // namespace pyallreduce
 
 PYALLREDUCE_REGISTER_BACKEND(CPU, ::pyallreduce::host_all_reduce)
+static const bool pyallreduce_agree_cpu =
+    ::pyallreduce::register_agree_impl(c10::DeviceType::CPU, ::pyallreduce::host_agree);

@@ -1,7 +1,10 @@
 // CUDA backend of the pyallreduce ops: picks the source mode (staged or
 // zero-copy registered), builds the kernel arguments and launches
-// csrc/cuda/all_reduce.cuh on the current stream. Argument checks common to
-// every backend already ran (run_collective in csrc/module.cpp).
+// csrc/cuda/all_reduce.cuh on the current stream; runs the agreement round
+// (cuda_agree) and reports what the kernels recorded in the communicator's
+// status record (a deadline, a mismatch). Argument checks common to every
+// backend already ran (run_collective in csrc/module.cpp). The pure decisions
+// are in call_plan.h, which tests/sim runs too.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one needs cuBLAS/cuSPARSE headers
@@ -9,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,6 +21,7 @@
 
 #include "../common/op_args.h"
 #include "all_reduce.cuh"
+#include "call_plan.h"
 #include "ipc.h"
 
 namespace pyallreduce {
@@ -141,7 +146,7 @@ bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&pe
   return true;
 }
 
-bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % cuda::kVecBytes == 0; }
+bool aligned(const void* p) { return cuda::vec_aligned(reinterpret_cast<uintptr_t>(p)); }
 
 // Every rank's address of one buffer, as mapped here, for zero-copy reads
 // (register() and graph entries): one per rank, this rank's is its own
@@ -173,14 +178,16 @@ const cuda::GraphEntry* graph_entry_for(const Context& ctx, cudaStream_t stream,
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   if (status != cudaStreamCaptureStatusActive) return nullptr;
   GraphTable& graph = table->graph;
-  const int64_t capacity = static_cast<int64_t>(graph.blocks.size()) * graph.block_entries;
   int64_t slot = -1;
-  if (eligible && graph.next_slot < capacity) {
-    slot = graph.next_slot++;
-    graph.input[slot] = reinterpret_cast<int64_t>(input);
-    graph.in_place[slot] = in_place;
-  } else if (eligible) {
-    ++graph.calls_without_entry;
+  if (eligible) {
+    slot = cuda::graph_take_slot(static_cast<int64_t>(graph.blocks.size()), graph.block_entries,
+                                 graph.next_slot);
+    if (slot < 0) {
+      ++graph.calls_without_entry;
+    } else {
+      graph.input[slot] = reinterpret_cast<int64_t>(input);
+      graph.in_place[slot] = in_place;
+    }
   }
   graph.captured.push_back({slot, reinterpret_cast<int64_t>(input), bytes, in_place, algo,
                             c10::toString(tensor.scalar_type()), average});
@@ -236,7 +243,89 @@ GraphTable& graph_table_of(const Context& ctx) {
   return table->graph;
 }
 
+// ---- status records ----------------------------------------------------------------
+// Per context: the record the kernels fill in on a deadline or a mismatch
+// (cuda::CallStatus, explained in all_reduce.cuh), in pinned host memory mapped
+// into the device, so checking it before a launch is one host memory read.
+// Allocated at the context's first kernel call, freed by clear_cuda_buffers
+// (cudaFreeHost waits for the device, so no kernel still writes it).
+
+struct StatusRecord {
+  cuda::CallStatus* host = nullptr;
+  cuda::CallStatus* device = nullptr;  // the same memory as the kernels address it
+  char* own_region = nullptr;          // tells a record of a destroyed context whose address was reused
+  int64_t last_call = 0;               // ctx.calls of the last launch: the call a record is about
+};
+
+std::mutex status_mutex;
+std::unordered_map<const Context*, StatusRecord> status_by_context;
+
+void free_status(StatusRecord& rec) {
+  if (rec.host != nullptr && cudaFreeHost(rec.host) != cudaSuccess) cudaGetLastError();
+  rec = StatusRecord{};
+}
+
+// The caller has made ctx.device current.
+StatusRecord& status_of(Context& ctx) {
+  std::lock_guard<std::mutex> lock(status_mutex);
+  StatusRecord& rec = status_by_context[&ctx];
+  if (rec.host != nullptr && rec.own_region == ctx.own_region()) return rec;
+  free_status(rec);
+  void* host = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(cuda::CallStatus), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, sizeof(cuda::CallStatus));
+  void* device = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(host);
+    C10_CUDA_CHECK(err);
+  }
+  rec.host = static_cast<cuda::CallStatus*>(host);
+  rec.device = static_cast<cuda::CallStatus*>(device);
+  rec.own_region = ctx.own_region();
+  return rec;
+}
+
+// Raises what the kernels recorded, if anything (only a deadline when
+// `mismatch_too` is false). A deadline stays recorded and marks the context
+// broken (epochs are out of step). A mismatch is cleared once no kernel of ours
+// can still write the record (so the next call starts clean) and raised as
+// CallMismatch: the kernels skipped that call and put the epochs back in step.
+// While `stream` is being captured nothing can wait: the record is then raised
+// and kept.
+void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool mismatch_too = true) {
+  const uint32_t code = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE);
+  if (code == cuda::kStatusOk || (code == cuda::kStatusMismatch && !mismatch_too)) return;
+  const cuda::CallStatus st = *rec.host;
+  if (code == cuda::kStatusDeadline) {
+    const std::string msg = cuda::deadline_message(st, ctx.rank, ctx.world_size, ctx.timeout_ns);
+    ctx.broken_reason = msg;
+    ctx.broken.store(true);
+    TORCH_CHECK(false, msg);
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    // Other blocks of that kernel may still be finishing (the record's writer
+    // was only the first); the kernel may be on another stream.
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    std::memset(rec.host, 0, sizeof(cuda::CallStatus));
+  }
+  throw CallMismatch(mismatch_message(rec.last_call, st.epoch, st.descs, ctx.world_size));
+}
+
 }  // namespace
+
+void cuda_check(Context& ctx) {
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
+  StatusRecord& rec = status_of(ctx);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  // Every kernel launched so far finishes or reaches its deadline.
+  if (capture == cudaStreamCaptureStatusNone) C10_CUDA_CHECK(cudaDeviceSynchronize());
+  raise_recorded(ctx, rec, stream);
+}
 
 void graph_capture_begin(int64_t handle, int64_t block_entries) {
   std::shared_ptr<Context> ctx = get_context(handle);
@@ -249,8 +338,8 @@ void graph_capture_begin(int64_t handle, int64_t block_entries) {
     TORCH_CHECK(!graph.open, "pyallreduce: comm.capture() is already open on this communicator");
     TORCH_CHECK(graph.blocks.empty() || graph.block_entries == block_entries,
                 "pyallreduce: graph table blocks cannot change size");
-    const int64_t capacity = static_cast<int64_t>(graph.blocks.size()) * block_entries;
-    need_block = graph.blocks.empty() || capacity - graph.next_slot < (block_entries + 1) / 2;
+    need_block = cuda::graph_needs_block(static_cast<int64_t>(graph.blocks.size()), block_entries,
+                                         graph.next_slot);
   }
   GraphBlock block;
   if (need_block) block = allocate_block(ctx->device, block_entries);  // not under the lock
@@ -377,6 +466,12 @@ void clear_cuda_buffers(int64_t handle) {
   std::lock_guard<std::mutex> lock(buffers_mutex);
   auto it = buffers_by_context.find(ctx.get());
   if (it != buffers_by_context.end()) erase_buffers(it);
+  std::lock_guard<std::mutex> status_lock(status_mutex);
+  auto st = status_by_context.find(ctx.get());
+  if (st != status_by_context.end()) {
+    free_status(st->second);
+    status_by_context.erase(st);
+  }
 }
 
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes) {
@@ -391,58 +486,62 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   if (bytes == 0) return;  // same size on every rank: nobody signals, epochs stay in step
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
+  // An earlier call's deadline: the ranks are out of step, launch nothing.
+  // Its mismatch is raised only after this call is launched (below): the
+  // host cannot know whether its previous kernel has finished, so whether it
+  // sees that record yet depends on timing; every rank launching every call
+  // keeps the ranks in step whichever call each one raises in.
+  StatusRecord& rec = status_of(ctx);
+  raise_recorded(ctx, rec, stream, /*mismatch_too=*/false);
+  const bool seen_before = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE) == cuda::kStatusMismatch;
 
   cuda::Call call{};
   for (int q = 0; q < ctx.world_size; ++q) call.regions[q] = ctx.regions[q];
   call.bytes = bytes;
+  call.desc_bytes = static_cast<uint64_t>(bytes);
   call.max_bytes = ctx.max_bytes;
   call.timeout_ns = ctx.timeout_ns;
   call.rank = ctx.rank;
+  call.algo = algo;
   call.average = average;
+  call.dtype = dtype_code(input.scalar_type());
+  call.status = rec.device;
 
   const auto* in_ptr = static_cast<const char*>(input.data_ptr());
   auto* out_ptr = static_cast<char*>(out.data_ptr());
-  const bool in_place = in_ptr == out_ptr;
-  const bool disjoint = out_ptr + bytes <= in_ptr || in_ptr + bytes <= out_ptr;
-  call.mode = cuda::kStaged;
-  if ((in_place || disjoint) &&
-      find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered)) {
-    call.mode = in_place ? cuda::kRegisteredInPlace : cuda::kRegistered;
-  }
-
-  // The kernels access input and out in 16-byte vectors. Tensors from the
-  // allocator are aligned; a view at an odd offset goes through an aligned
-  // temporary (registered buffers at such offsets were not matched above).
+  const auto in_addr = reinterpret_cast<uintptr_t>(in_ptr);
+  const auto out_addr = reinterpret_cast<uintptr_t>(out_ptr);
+  const bool registered = cuda::may_read_in_place(in_addr, out_addr, bytes) &&
+                          find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered);
+  const cuda::CallPlan plan = cuda::plan_call(in_addr, out_addr, bytes, algo, registered);
+  call.mode = plan.mode;
+  call.in_place = plan.in_place;
   at::Tensor input_tmp, out_tmp;
-  if (call.mode == cuda::kStaged) {
-    if (!aligned(in_ptr)) {
-      input_tmp = input.clone(at::MemoryFormat::Contiguous);
-      in_ptr = static_cast<const char*>(input_tmp.data_ptr());
-    }
-    if (!aligned(out_ptr)) {
-      out_tmp = at::empty_like(out, at::MemoryFormat::Contiguous);
-      out_ptr = static_cast<char*>(out_tmp.data_ptr());
-    }
+  if (plan.copy_input) {
+    input_tmp = input.clone(at::MemoryFormat::Contiguous);
+    in_ptr = static_cast<const char*>(input_tmp.data_ptr());
+  }
+  if (plan.copy_out) {
+    // A copy of out, not empty_like: a call the kernels skip (mismatch) must
+    // leave out as it was after the copy back below.
+    out_tmp = out.clone(at::MemoryFormat::Contiguous);
+    out_ptr = static_cast<char*>(out_tmp.data_ptr());
   }
   call.input = in_ptr;
   call.out = out_ptr;
-  const bool zero_copy_possible = call.mode == cuda::kStaged && !input_tmp.defined() &&
-                                  !out_tmp.defined() &&
-                                  (disjoint || (in_place && algo == kTwoShot));
-  call.graph_entry = graph_entry_for(ctx, stream, zero_copy_possible, input, in_ptr, bytes,
-                                     in_place, algo, average);
+  call.graph_entry = graph_entry_for(ctx, stream, plan.graph_entry_eligible, input, in_ptr, bytes,
+                                     plan.in_place, algo, average);
 
   bool launched = false;
   switch (input.scalar_type()) {
     case at::kFloat:
-      launched = cuda::launch_all_reduce<float>(ctx.world_size, algo, call, ctx.nblocks, stream);
+      launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
       break;
     case at::kHalf:
-      launched = cuda::launch_all_reduce<__half>(ctx.world_size, algo, call, ctx.nblocks, stream);
+      launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
       break;
     case at::kBFloat16:
-      launched =
-          cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, algo, call, ctx.nblocks, stream);
+      launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
       break;
     default:
       break;
@@ -451,8 +550,61 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
               " and world size ", ctx.world_size);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (out_tmp.defined()) out.copy_(out_tmp);
+  // The call the error names: a record already there before this launch is an
+  // earlier call's (the last launched one, most likely); one that appears now
+  // may be this call's or the previous one's (its descriptors tell).
+  if (!seen_before) rec.last_call = ctx.calls;
+  raise_recorded(ctx, rec, stream);
+  rec.last_call = ctx.calls;
+}
+
+void cuda_agree(Context& ctx, CallDesc desc) {
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  // The host must know the answer before it calls torch.distributed, and a
+  // capture cannot wait for it: there is no agreement round inside a capture.
+  if (capture != cudaStreamCaptureStatusNone) return;
+  StatusRecord& rec = status_of(ctx);
+  raise_recorded(ctx, rec, stream, /*mismatch_too=*/false);
+  // An earlier call's mismatch not raised yet: take it out of the record first,
+  // so this round's own answer is recorded (the record keeps the first only),
+  // and raise it after the round (every rank runs every round).
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  std::string earlier;
+  try {
+    raise_recorded(ctx, rec, stream);
+  } catch (const CallMismatch& e) {
+    earlier = e.what();
+  }
+
+  // The one-shot kernel with no bytes: start barrier, descriptor check, the
+  // mid flags stored (protocol.h, kAgreeOnly). Its element type is immaterial.
+  cuda::Call call{};
+  for (int q = 0; q < ctx.world_size; ++q) call.regions[q] = ctx.regions[q];
+  call.bytes = 0;
+  call.desc_bytes = desc.bytes;
+  call.max_bytes = ctx.max_bytes;
+  call.timeout_ns = ctx.timeout_ns;
+  call.rank = ctx.rank;
+  call.algo = kAgreeOnly;
+  call.mode = static_cast<cuda::Mode>((desc.kind >> 16) & 0xFFu);
+  call.dtype = desc.kind & 0xFFu;
+  call.average = (desc.kind >> 24) & 1u;
+  call.in_place = (desc.kind >> 25) & 1u;
+  call.status = rec.device;
+  TORCH_CHECK(cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream),
+              "pyallreduce: no CUDA kernel for world size ", ctx.world_size);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  rec.last_call = ctx.calls;
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  raise_recorded(ctx, rec, stream);
+  if (!earlier.empty()) throw CallMismatch(earlier);
 }
 
 }  // namespace pyallreduce
 
 PYALLREDUCE_REGISTER_BACKEND(CUDA, ::pyallreduce::cuda_all_reduce)
+static const bool pyallreduce_agree_cuda =
+    ::pyallreduce::register_agree_impl(c10::DeviceType::CUDA, &::pyallreduce::cuda_agree);

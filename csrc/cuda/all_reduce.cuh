@@ -21,9 +21,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
 
 #include "../common/protocol.h"
+#include "device_ops.h"
 
 namespace pyallreduce {
 namespace cuda {
@@ -37,20 +37,47 @@ constexpr int64_t kChunkBytes = int64_t(kThreads) * kVecBytes;
 // thread in flight before storing, so a copy is not one round trip per vector.
 constexpr int kCopyBatch = 4;
 
-// Where the W buffers a call reduces from live.
+// Where the W buffers a call reduces from live (the descriptor's mode field:
+// the values are protocol.h's).
 enum Mode : int {
   // Every rank copies its input into its own staging buffer data[e % 2]; peers
   // read the staging buffers. No end barrier (double buffering).
-  kStaged = 0,
+  kStaged = int(kModeStaged),
   // Zero-copy: peers read each rank's registered input in place and out is a
   // separate tensor. One-shot then needs an end barrier (the caller may
   // overwrite the input as soon as the kernel returns); two-shot does not (the
   // inputs are only read before its mid barrier).
-  kRegistered = 1,
-  // Zero-copy and out == input: two-shot only (launch_all_reduce forces it),
+  kRegistered = int(kModeRegistered),
+  // Zero-copy and out == input: two-shot only (kernel_algo forces it),
   // owners reduce in place, every rank gathers into its own registered buffer,
   // end barrier.
-  kRegisteredInPlace = 2,
+  kRegisteredInPlace = int(kModeRegisteredInPlace),
+};
+
+// What a kernel leaves for the host when a call cannot complete, instead of
+// trapping (a trap makes the process's CUDA context unusable for good). One
+// record per communicator in pinned host memory mapped into the device, so the
+// host reads it without synchronising: csrc/cuda/all_reduce.cu checks it before
+// every launch, after an agreement round and in cuda_check. The first failing
+// block claims it (claimed 0 -> 1), fills it in, and stores code last
+// (release, system scope); the host reads code (acquire), then the rest.
+constexpr uint32_t kStatusOk = 0;
+constexpr uint32_t kStatusDeadline = 1;  // a rank never arrived: the communicator is broken
+constexpr uint32_t kStatusMismatch = 2;  // descriptors differ: nothing written, ranks in step
+// CallStatus::barrier values.
+constexpr uint32_t kBarrierStart = 0;
+constexpr uint32_t kBarrierMid = 1;
+constexpr uint32_t kBarrierEnd = 2;
+
+struct CallStatus {
+  uint32_t code;
+  uint32_t claimed;
+  uint32_t barrier;             // deadline: which barrier
+  uint32_t block;
+  uint32_t epoch;               // e of the failed call
+  uint32_t missing;             // deadline: bit q set = rank q never arrived
+  uint32_t unused[2];           // keeps descs 16-byte aligned
+  CallDesc descs[kMaxRanks];    // mismatch: every rank's descriptor as read here
 };
 
 // A captured call's entry in the communicator's graph table (device memory).
@@ -76,8 +103,13 @@ struct Call {
   int64_t timeout_ns;           // deadline of every spin
   int rank;
   Mode mode;
+  int64_t algo;                 // kOneShot, kTwoShot or kAgreeOnly, as requested
   bool average;                 // divide the fp32 sum by W before the cast
+  bool in_place;                // the caller's input and out are one tensor (descriptor only)
+  uint32_t dtype;               // c10::ScalarType value (descriptor only)
+  uint64_t desc_bytes;          // the call's payload as published (bytes, or an agreement's size)
   const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
+  CallStatus* status;           // device address of the communicator's status record
 };
 
 // What the kernels receive, by value (kernel parameter space, so a CUDA graph
@@ -96,9 +128,14 @@ struct KernelArgs {
   int64_t bytes;
   int64_t timeout_ns;
   const GraphEntry* graph_entry;  // nullptr: the buffers above are final
+  CallStatus* status;
+  uint64_t desc_bytes;
   int rank;
   int mode;
+  int algo;                        // what runs: kOneShot, kTwoShot or kAgreeOnly
+  uint32_t dtype;
   bool average;
+  bool in_place;
 };
 
 // ---- protocol layout in device code ----------------------------------------
@@ -116,33 +153,20 @@ static_assert(device_flag_index(5, 3) == flag_index(5, 3), "flag layout drifted 
 static_assert(device_staging_offset(7, 1 << 20) == staging_offset(7, 1 << 20) &&
                   device_staging_offset(8, 1 << 20) == staging_offset(8, 1 << 20),
               "staging layout drifted from protocol.h");
+__host__ __device__ constexpr int64_t device_desc_offset(uint32_t epoch, int block, int rank) {
+  return kDescOffset + ((int64_t(epoch & 1u) * kMaxBlocks + block) * kMaxRanks + rank) * kDescBytes;
+}
+static_assert(device_desc_offset(7, 5, 3) == desc_offset(7, 5, 3) &&
+                  device_desc_offset(8, 5, 3) == desc_offset(8, 5, 3),
+              "descriptor layout drifted from protocol.h");
 static_assert(kDataOffset % kVecBytes == 0 && kAlignment % kVecBytes == 0,
               "staging buffers must keep 16-byte vectors aligned");
+static_assert(kDescOffset % kVecBytes == 0 && kDescBytes == kVecBytes,
+              "a descriptor must be one aligned 16-byte vector");
 
 __device__ __forceinline__ uint32_t* flag_ptr(char* region, int64_t array_offset, int block,
                                               int rank) {
   return reinterpret_cast<uint32_t*>(region + array_offset) + device_flag_index(block, rank);
-}
-
-// ---- memory-model primitives -------------------------------------------------
-
-// System scope: the other side is another process, maybe on another GPU.
-__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(v)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
-               : "=r"(v)
-               : "l"(__cvta_generic_to_global(p))
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // ---- per-block epoch -----------------------------------------------------------
@@ -177,8 +201,33 @@ __device__ __forceinline__ P select_rank(const P* arr, int i) {
 
 // ---- barrier ----------------------------------------------------------------
 
+// What the block's waiting threads saw at the last barrier, for every thread.
+struct BarrierView {
+  uint32_t late[kMaxRanks];     // 1: rank q never arrived before the deadline
+  CallDesc seen[kMaxRanks];     // start barrier: rank q's descriptor of this call
+};
+
+// Fills in the communicator's status record unless another block already did
+// (thread 0 only). Plain stores, then code with release at system scope.
+template <int W>
+__device__ __forceinline__ void record_failure(const KernelArgs& a, uint32_t code, uint32_t barrier_id,
+                                               uint32_t e, uint32_t missing, const BarrierView& view) {
+  CallStatus* st = a.status;
+  if (threadIdx.x != 0 || !claim_word(&st->claimed)) return;
+  st->barrier = barrier_id;
+  st->block = blockIdx.x;
+  st->epoch = e;
+  st->missing = missing;
+#pragma unroll
+  for (int q = 0; q < W; ++q) st->descs[q] = view.seen[q];
+  store_release_sys(&st->code, code);
+}
+
 // Block b meets block b of every peer on one flag array at epoch e: thread q
 // (q < W) tells rank q "I am at e" and waits until rank q told us the same.
+// The start barrier (`mine` set) also publishes this call's descriptor to rank
+// q and reads rank q's, and, in a call without a mid barrier (`with_mid`),
+// stores e into rank q's mid flag (the wrap fix: protocol.h).
 //
 // Ordering: the data this block wrote before the barrier (copy-in, two-shot
 // reduced chunks) is written by all 512 threads, the release only by threads
@@ -189,38 +238,87 @@ __device__ __forceinline__ P select_rank(const P* arr, int i) {
 // precedes the release, from any thread of the block. The mirror image holds
 // after the wait: thread q's acquire, then bar.sync, then every thread's loads
 // of peer data. (vLLM's custom all-reduce and PyTorch's SymmetricMemory rely
-// on the same syncthreads + release/acquire pattern.)
+// on the same syncthreads + release/acquire pattern.) The descriptor is a
+// plain store before the release and a plain load after the acquire, by the
+// same thread q.
 //
-// Deadline: every wait reads %globaltimer; past timeout_ns it prints who is
-// missing and traps, which fails the launch with an error instead of hanging.
+// Deadline: every wait reads %globaltimer; past timeout_ns the thread gives up
+// on rank q. Returns the ranks that never arrived (bit q), the same value in
+// every thread of the block; 0 when all did.
 template <int W>
-__device__ __forceinline__ void barrier(const KernelArgs& a, char* own_region, int64_t array_offset,
-                                        uint32_t e, const char* name) {
+__device__ __forceinline__ uint32_t barrier(const KernelArgs& a, char* own_region, int64_t array_offset,
+                                            uint32_t e, const CallDesc* mine, bool with_mid,
+                                            BarrierView& view) {
   __syncthreads();
   if (threadIdx.x < W) {
     const int q = threadIdx.x;
     // select_rank, not a.regions[q]: a runtime index would put the arguments
     // in local memory in the graph-entry kernels (with_graph_entry copies them).
-    store_release_sys(flag_ptr(select_rank<W>(a.regions, q), array_offset, blockIdx.x, a.rank), e);
+    char* const peer = select_rank<W>(a.regions, q);
+    if (mine != nullptr) {
+      *reinterpret_cast<CallDesc*>(peer + device_desc_offset(e, blockIdx.x, a.rank)) = *mine;
+    }
+    if (with_mid) store_release_sys(flag_ptr(peer, kMidFlagsOffset, blockIdx.x, a.rank), e);
+    store_release_sys(flag_ptr(peer, array_offset, blockIdx.x, a.rank), e);
     const uint32_t* own = flag_ptr(own_region, array_offset, blockIdx.x, q);
     uint64_t started = 0;
-    uint32_t flag;
-    while (!epoch_reached(flag = load_acquire_sys(own), e)) {
+    uint32_t late = 0;
+    while (!epoch_reached(load_acquire_sys(own), e)) {
       const uint64_t now = global_timer_ns();
       if (started == 0) {
         started = now;  // the clock is read only once the flag was not already there
       } else if (now - started > uint64_t(a.timeout_ns)) {
-        printf("pyallreduce: rank %d block %d epoch %u: rank %d never arrived at the %s barrier "
-               "(%s[%d][%d] = %u, waited %llu ns). Every rank must make the same collective "
-               "calls in the same order; trapping.\n",
-               a.rank, int(blockIdx.x), e, q, name,
-               array_offset == kMidFlagsOffset ? "mid_flags" : "start_flags", int(blockIdx.x), q,
-               flag, static_cast<unsigned long long>(now - started));
-        __trap();
+        late = 1;
+        break;
       }
+    }
+    view.late[q] = late;
+    if (mine != nullptr && late == 0) {
+      view.seen[q] = *reinterpret_cast<const CallDesc*>(own_region + device_desc_offset(e, blockIdx.x, q));
     }
   }
   __syncthreads();
+  uint32_t missing = 0;
+#pragma unroll
+  for (int q = 0; q < W; ++q) missing |= view.late[q] << q;
+  return missing;
+}
+
+// The start barrier and the agreement check, before any peer data is read.
+// Returns true when the call may go on. Otherwise the status record says why,
+// and on a mismatch this block has put itself back in step with its peers
+// (protocol.h): its epoch counter back to e (a two-epoch kind had reserved
+// e + 1) and its mid flags at e, so every rank continues from e + 1.
+template <int W>
+__device__ __forceinline__ bool start_call(const KernelArgs& a, char* own_region, uint32_t e,
+                                           uint32_t kind, bool with_mid) {
+  __shared__ BarrierView view;
+  const CallDesc mine{a.desc_bytes, e, kind};
+  uint32_t missing = barrier<W>(a, own_region, kStartFlagsOffset, e, &mine, with_mid, view);
+  if (missing != 0) {
+    record_failure<W>(a, kStatusDeadline, kBarrierStart, e, missing, view);
+    return false;
+  }
+  bool agree = true;
+#pragma unroll
+  for (int q = 0; q < W; ++q) agree = agree && same_call(view.seen[q], mine);
+  if (agree) return true;
+  if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(own_region + kEpochOffset)[blockIdx.x] = e;
+  if (threadIdx.x < W && !with_mid) {
+    store_release_sys(flag_ptr(select_rank<W>(a.regions, threadIdx.x), kMidFlagsOffset, blockIdx.x, a.rank), e);
+  }
+  record_failure<W>(a, kStatusMismatch, kBarrierStart, e, 0, view);
+  return false;
+}
+
+// A later barrier of the call (mid, end); false after recording a deadline.
+template <int W>
+__device__ __forceinline__ bool meet(const KernelArgs& a, char* own_region, int64_t array_offset,
+                                     uint32_t e, uint32_t barrier_id) {
+  __shared__ BarrierView view;
+  const uint32_t missing = barrier<W>(a, own_region, array_offset, e, nullptr, false, view);
+  if (missing != 0) record_failure<W>(a, kStatusDeadline, barrier_id, e, missing, view);
+  return missing == 0;
 }
 
 // ---- element conversions --------------------------------------------------------
@@ -365,29 +463,38 @@ __device__ __forceinline__ void reduce_at(const KernelArgs& a, int64_t shift, in
 
 // ---- kernels ------------------------------------------------------------------
 
+// This call's descriptor kind; the mode is the one that runs (a graph entry's).
+__device__ __forceinline__ uint32_t call_kind(const KernelArgs& a) {
+  return desc_kind(a.dtype, uint32_t(a.algo), uint32_t(a.mode), a.average, a.in_place);
+}
+
 // One-shot: copy in, start barrier, every rank reduces every element from all W
 // buffers. kRegistered reads the peers' inputs directly and ends with a barrier
 // (on start_flags at e + 1: the layout has no third flag array, and a second
-// epoch value keeps the two barriers on one array apart).
+// epoch value keeps the two barriers on one array apart). With algo
+// kAgreeOnly and no bytes, this is the agreement round: start barrier and
+// descriptor check only.
 template <typename T, int W>
 __device__ __forceinline__ void one_shot(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
   const bool staged = a.mode == kStaged;
-  const uint32_t e = advance_epoch(own_region, staged ? 1 : 2);
+  const uint32_t kind = call_kind(a);
+  const uint32_t epochs_used = desc_epochs_used(kind);  // 2: kRegistered, with its end barrier
+  const uint32_t e = advance_epoch(own_region, epochs_used);
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   if (staged) {  // own staging buffer = own source
     const char* const input = a.input;
     copy_block_chunks<T>(const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift, a.bytes,
                          [input](int) { return input; });
   }
-  barrier<W>(a, own_region, kStartFlagsOffset, e, "start");
+  if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/true)) return;
 
   const int64_t nchunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t off = vec_offset(c);
     if (off < a.bytes) reduce_at<T, W>(a, shift, off, nullptr);
   }
-  if (!staged) barrier<W>(a, own_region, kStartFlagsOffset, e + 1, "end");
+  if (epochs_used == 2) meet<W>(a, own_region, kStartFlagsOffset, e + 1, kBarrierEnd);
 }
 
 // Two-shot: copy in, start barrier, rank r reduces the chunks it owns from all
@@ -402,7 +509,8 @@ template <typename T, int W>
 __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
   const bool staged = a.mode == kStaged;
-  const bool in_place = a.mode == kRegisteredInPlace;
+  const uint32_t kind = call_kind(a);
+  const bool in_place = desc_epochs_used(kind) == 2;  // kRegisteredInPlace, with its end barrier
   const uint32_t e = advance_epoch(own_region, in_place ? 2 : 1);
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   const int64_t reduced_shift = (e & 1u) ? a.reduced_odd_shift : 0;
@@ -411,7 +519,7 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
     const char* const input = a.input;
     copy_block_chunks<T>(own_reduced, a.bytes, [input](int) { return input; });
   }
-  barrier<W>(a, own_region, kStartFlagsOffset, e, "start");
+  if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/false)) return;
 
   // Reduce-scatter over rounds k = rank, rank + W, ... Only the owner touches
   // chunk c in this phase (on every rank), so writing the result over its own
@@ -423,7 +531,7 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
     if (off < a.bytes) reduce_at<T, W>(a, shift, off, own_reduced);
   }
   // Peers read our reduced chunks only after this.
-  barrier<W>(a, own_region, kMidFlagsOffset, e, "mid");
+  if (!meet<W>(a, own_region, kMidFlagsOffset, e, kBarrierMid)) return;
 
   // All-gather from each round's owner (own rounds are already in out).
   const int rank = a.rank;
@@ -433,7 +541,7 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   });
   // In place, peers read our registered buffer until they pass this barrier;
   // the caller may overwrite it as soon as we return.
-  if (in_place) barrier<W>(a, own_region, kStartFlagsOffset, e + 1, "end");
+  if (in_place) meet<W>(a, own_region, kStartFlagsOffset, e + 1, kBarrierEnd);
 }
 
 // The arguments of a call captured with a graph-table entry: the captured
@@ -482,6 +590,14 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs 
 
 // ---- launch ---------------------------------------------------------------------
 
+// The algorithm that runs: in-place zero-copy exists only in the two-shot
+// structure (one-shot would overwrite its input while peers still read it),
+// so such a call runs two-shot whatever was asked (and an in-place call gets
+// a graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cu).
+inline int64_t kernel_algo(int64_t algo, Mode mode) {
+  return algo == kOneShot && mode == kRegisteredInPlace ? kTwoShot : algo;
+}
+
 inline KernelArgs make_kernel_args(const Call& call) {
   KernelArgs a{};
   const int64_t even = device_staging_offset(0, call.max_bytes);
@@ -500,48 +616,50 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.bytes = call.bytes;
   a.timeout_ns = call.timeout_ns;
   a.graph_entry = call.graph_entry;
+  a.status = call.status;
+  a.desc_bytes = call.desc_bytes;
   a.rank = call.rank;
   a.mode = call.mode;
+  a.algo = int(kernel_algo(call.algo, call.mode));
+  a.dtype = call.dtype;
   a.average = call.average;
+  a.in_place = call.in_place;
   return a;
 }
 
+// The agreement round (kAgreeOnly) runs the one-shot kernel with no bytes.
 template <typename T, int W, bool kGraphEntry>
-inline void launch_kernel(int64_t algo, const KernelArgs& a, int nblocks, cudaStream_t stream) {
-  // In-place zero-copy exists only in the two-shot structure: one-shot would
-  // overwrite its input while peers still read it (so an in-place call gets a
-  // graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cu).
-  if (algo == kOneShot && a.mode != kRegisteredInPlace) {
-    one_shot_kernel<T, W, kGraphEntry><<<nblocks, kThreads, 0, stream>>>(a);
+inline void launch_kernel(const KernelArgs& a, int nblocks, cudaStream_t stream) {
+  if (a.algo != kTwoShot) {
+    launch(one_shot_kernel<T, W, kGraphEntry>, nblocks, kThreads, stream, a);
   } else {
-    two_shot_kernel<T, W, kGraphEntry><<<nblocks, kThreads, 0, stream>>>(a);
+    launch(two_shot_kernel<T, W, kGraphEntry>, nblocks, kThreads, stream, a);
   }
 }
 
 template <typename T, int W>
-inline void launch_for_world(int64_t algo, const KernelArgs& a, int nblocks, cudaStream_t stream) {
+inline void launch_for_world(const KernelArgs& a, int nblocks, cudaStream_t stream) {
   if (a.graph_entry != nullptr) {
-    launch_kernel<T, W, true>(algo, a, nblocks, stream);
+    launch_kernel<T, W, true>(a, nblocks, stream);
   } else {
-    launch_kernel<T, W, false>(algo, a, nblocks, stream);
+    launch_kernel<T, W, false>(a, nblocks, stream);
   }
 }
 
 // The one dispatch switch; returns false for a world size outside 1..kMaxRanks.
 template <typename T>
-inline bool launch_all_reduce(int world_size, int64_t algo, const Call& call, int nblocks,
-                              cudaStream_t stream) {
+inline bool launch_all_reduce(int world_size, const Call& call, int nblocks, cudaStream_t stream) {
   const KernelArgs a = make_kernel_args(call);
   static_assert(kMaxRanks == 8, "extend the switch below");
   switch (world_size) {
-    case 1: launch_for_world<T, 1>(algo, a, nblocks, stream); return true;
-    case 2: launch_for_world<T, 2>(algo, a, nblocks, stream); return true;
-    case 3: launch_for_world<T, 3>(algo, a, nblocks, stream); return true;
-    case 4: launch_for_world<T, 4>(algo, a, nblocks, stream); return true;
-    case 5: launch_for_world<T, 5>(algo, a, nblocks, stream); return true;
-    case 6: launch_for_world<T, 6>(algo, a, nblocks, stream); return true;
-    case 7: launch_for_world<T, 7>(algo, a, nblocks, stream); return true;
-    case 8: launch_for_world<T, 8>(algo, a, nblocks, stream); return true;
+    case 1: launch_for_world<T, 1>(a, nblocks, stream); return true;
+    case 2: launch_for_world<T, 2>(a, nblocks, stream); return true;
+    case 3: launch_for_world<T, 3>(a, nblocks, stream); return true;
+    case 4: launch_for_world<T, 4>(a, nblocks, stream); return true;
+    case 5: launch_for_world<T, 5>(a, nblocks, stream); return true;
+    case 6: launch_for_world<T, 6>(a, nblocks, stream); return true;
+    case 7: launch_for_world<T, 7>(a, nblocks, stream); return true;
+    case 8: launch_for_world<T, 8>(a, nblocks, stream); return true;
     default: return false;
   }
 }

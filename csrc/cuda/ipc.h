@@ -10,11 +10,28 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/protocol.h"
+
 namespace pybind11 {
 class module_;
 }
 
 namespace pyallreduce {
+
+struct Context;
+
+// The agreement round of a call this rank sends to torch.distributed
+// (protocol.h kAgreeOnly; csrc/module.cpp's _C.agree reaches it through
+// register_agree_impl): publishes desc (its epoch is filled in), meets every
+// peer at the start barrier, and waits for the answer. Throws CallMismatch
+// when the ranks' calls differ (the context stays usable), and marks the
+// context broken on a deadline. Does nothing while the current stream is
+// being captured.
+void cuda_agree(Context& ctx, CallDesc desc);
+// Waits for the communicator's kernels launched so far (not while capturing)
+// and raises what they recorded: a deadline (naming the ranks that never
+// arrived; marks the context broken) or a mismatch (CallMismatch; cleared).
+void cuda_check(Context& ctx);
 
 // Adds the cuda_* functions to pyallreduce._C (see ipc.cu for the list).
 void bind_cuda_ipc(pybind11::module_& m);

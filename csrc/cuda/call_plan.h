@@ -1,0 +1,90 @@
+// The decisions csrc/cuda/all_reduce.cu makes for one call, as plain functions
+// without torch or CUDA runtime calls, so tests/sim (the CUDA-on-host harness)
+// runs exactly the glue's choices in front of the real kernels: the source
+// mode, the aligned temporaries, graph-table eligibility, graph-table slots,
+// and the text of a failure the kernels recorded.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "all_reduce.cuh"
+
+namespace pyallreduce {
+namespace cuda {
+
+inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }
+
+// Whether the kernels may read `in` in place (zero-copy) when it is registered:
+// an in-place call, or an out that does not overlap the input (a partial
+// overlap would have out overwrite input peers still read).
+inline bool may_read_in_place(uintptr_t in, uintptr_t out, int64_t bytes) {
+  return in == out || out + uintptr_t(bytes) <= in || in + uintptr_t(bytes) <= out;
+}
+
+struct CallPlan {
+  Mode mode = kStaged;
+  bool in_place = false;     // the descriptor's bit: the caller's input is its out
+  bool copy_input = false;   // input goes through an aligned temporary (clone)
+  bool copy_out = false;     // the kernel writes an aligned temporary, copied to out after
+  bool graph_entry_eligible = false;  // a capture may give it a graph-table entry
+};
+
+// `registered`: find_registered matched the input (asked only when
+// may_read_in_place). The kernels access input and out in 16-byte vectors.
+// Tensors from the allocator are aligned; a view at an odd offset goes through
+// an aligned temporary. A registered input is aligned by construction
+// (find_registered), but out need not be: a zero-copy call with a misaligned
+// out writes a temporary too (16-byte stores to it would fault).
+inline CallPlan plan_call(uintptr_t in, uintptr_t out, int64_t bytes, int64_t algo, bool registered) {
+  CallPlan p;
+  p.in_place = in == out;
+  if (registered) p.mode = p.in_place ? kRegisteredInPlace : kRegistered;
+  p.copy_input = p.mode == kStaged && !vec_aligned(in);
+  p.copy_out = p.mode != kRegisteredInPlace && !vec_aligned(out);
+  const bool disjoint = !p.in_place && may_read_in_place(in, out, bytes);
+  // A graph entry may later switch the call to zero copy, which reads the
+  // captured input in place and writes the captured out: both must be the
+  // caller's own aligned tensors, and in place only exists as two-shot.
+  p.graph_entry_eligible = p.mode == kStaged && !p.copy_input && !p.copy_out &&
+                           (disjoint || (p.in_place && algo == kTwoShot));
+  return p;
+}
+
+// Graph table (all_reduce.cu): whether comm.capture() must allocate a new
+// block before it opens, given the blocks so far and the next free slot. A new
+// block is started when the current one is more than half used, so one
+// capture has at least half a block of entries.
+inline bool graph_needs_block(int64_t nblocks, int64_t block_entries, int64_t next_slot) {
+  return nblocks == 0 || nblocks * block_entries - next_slot < (block_entries + 1) / 2;
+}
+// The slot for an eligible captured call, or -1 when every block is full.
+inline int64_t graph_take_slot(int64_t nblocks, int64_t block_entries, int64_t& next_slot) {
+  return next_slot < nblocks * block_entries ? next_slot++ : -1;
+}
+
+inline const char* barrier_name(uint32_t barrier) {
+  return barrier == kBarrierStart ? "start" : barrier == kBarrierMid ? "mid" : "end";
+}
+
+// The error for a kStatusDeadline record of this rank.
+inline std::string deadline_message(const CallStatus& st, int rank, int world_size,
+                                    int64_t timeout_ns) {
+  std::ostringstream s;
+  s << "pyallreduce: rank " << rank << ": rank";
+  int n = 0;
+  for (int q = 0; q < world_size; ++q) n += (st.missing >> q) & 1u;
+  if (n > 1) s << "s";
+  for (int q = 0, k = 0; q < world_size; ++q) {
+    if ((st.missing >> q) & 1u) s << (k++ ? ", " : " ") << q;
+  }
+  s << " never arrived at the " << barrier_name(st.barrier) << " barrier (block " << st.block
+    << ", epoch " << st.epoch << ") within " << double(timeout_ns) / 1e9
+    << " s. Every rank must make the same collective calls in the same order. This communicator is "
+       "unusable now (close() it and create a new one on every rank); the CUDA context is fine.";
+  return s.str();
+}
+
+}  // namespace cuda
+}  // namespace pyallreduce

@@ -1,0 +1,780 @@
+// Runs the real CUDA kernels (csrc/cuda/all_reduce.cuh) and the glue's
+// decisions (csrc/cuda/call_plan.h) on the host through tests/sim/cuda_shim.h:
+// W ranks as threads or as forked processes, each mapping the shared regions
+// at its own address, every output bit compared with an independent fp32
+// rank-order reference. What it covers and what it cannot: docs/verification.md.
+//
+//   harness [--suite plain|quick|tsan] [--mode threads|procs|both] [--seed N] [--only NAME]
+//
+// Exit status 0 when every check passed. Each rank runs its calls without any
+// host synchronisation with the others (random delays between calls, slow
+// flag operations now and then), checks its own results right after each call
+// and then overwrites its input, as a caller may.
+#include "cuda_shim.h"
+// The shim first: the kernels see its CUDA keywords.
+#include "cuda/call_plan.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdarg>
+#include <functional>
+#include <random>
+#include <string>
+
+#if defined(SIM_COVERAGE)
+extern "C" void __gcov_dump();
+#endif
+
+using namespace pyallreduce;
+using namespace pyallreduce::cuda;
+
+namespace {
+
+// ---- element types and the independent reference ----------------------------------
+
+enum DType { kF32, kF16, kBF16 };
+const char* const kDtypeNames[] = {"float32", "float16", "bfloat16"};
+// c10::ScalarType values (the descriptor's dtype field): Half 5, Float 6, BFloat16 15.
+const uint32_t kDtypeCodes[] = {6, 5, 15};
+int elem_size(int dt) { return dt == kF32 ? 4 : 2; }
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Written here from the IEEE formats, not taken from NVIDIA's headers.
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0) return bits_float(sign) + (sign ? -1.0f : 1.0f) * std::ldexp(float(man), -24);
+  if (exp == 31) return bits_float(sign | 0x7F800000u | (man << 13));
+  return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+uint16_t float_to_half(float f) {  // round to nearest even; inputs here are finite
+  const uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000;
+  const int exp = int((u >> 23) & 0xFF) - 127 + 15;
+  uint32_t man = u & 0x7FFFFF;
+  if (exp >= 31) return uint16_t(sign | 0x7C00);
+  if (exp <= 0) {  // subnormal half (or zero)
+    if (exp < -10) return uint16_t(sign);
+    man |= 0x800000;
+    const int shift = 14 - exp;
+    uint32_t h = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1))) ++h;
+    return uint16_t(sign | h);
+  }
+  uint32_t h = (uint32_t(exp) << 10) | (man >> 13);
+  const uint32_t rem = man & 0x1FFF;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;  // may carry into the exponent: correct
+  return uint16_t(sign | h);
+}
+float to_f32(int dt, const char* p) {
+  if (dt == kF32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return dt == kF16 ? half_to_float(b) : bits_float(uint32_t(b) << 16);
+}
+void from_f32(int dt, float f, char* p) {
+  if (dt == kF32) {
+    std::memcpy(p, &f, 4);
+    return;
+  }
+  uint16_t b;
+  if (dt == kF16) {
+    b = float_to_half(f);
+  } else {
+    const uint32_t u = float_bits(f);
+    b = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+  std::memcpy(p, &b, 2);
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// Element i of rank q's input: never zero, varied mantissas, no overflow.
+float input_value(uint64_t seed, int q, int64_t i) {
+  const uint64_t h = mix(seed * 131 + uint64_t(q) * 0x100000001ull + uint64_t(i));
+  const float v = float(int64_t(h % 20001) - 10000) / 97.0f;
+  return v == 0.0f ? 0.5f : v;
+}
+void fill_input(char* p, int dt, int64_t count, uint64_t seed, int q) {
+  for (int64_t i = 0; i < count; ++i) from_f32(dt, input_value(seed, q, i), p + i * elem_size(dt));
+}
+void reference(char* out, int dt, int64_t count, uint64_t seed, int world, bool average) {
+  std::vector<char> x(size_t(elem_size(dt)));
+  for (int64_t i = 0; i < count; ++i) {
+    float acc = 0.0f;
+    for (int q = 0; q < world; ++q) {  // rank order, each input rounded to the dtype first
+      from_f32(dt, input_value(seed, q, i), x.data());
+      const float v = to_f32(dt, x.data());
+      acc = q == 0 ? v : acc + v;
+    }
+    if (average) acc = acc / float(world);
+    from_f32(dt, acc, out + i * elem_size(dt));
+  }
+}
+
+// ---- the world: shared regions and registered buffers -----------------------------
+
+struct Config {
+  int world = 2;
+  int nblocks = 2;
+  int64_t max_bytes = 0;        // 0: derived from the sizes used
+  int64_t timeout_ns = int64_t(30) * 1000000000;  // a hang costs 30 s; a loaded 2-core machine needs ~1 s
+  bool processes = false;
+  uint64_t seed = 1;
+};
+
+constexpr int kGraphEntries = 8;
+constexpr uint8_t kSentinel = 0xA5;
+constexpr int kGuardBytes = 64;  // checked after every output
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Rank {
+  Config cfg;
+  int rank = 0;
+  char* base = nullptr;         // this rank's mapping of the shared file
+  int64_t per_rank = 0;         // region + registered buffer
+  CallStatus status{};          // the glue's pinned record (private to the rank)
+  GraphEntry entries[kGraphEntries]{};
+  std::mt19937_64 rng;
+  int failures = 0;
+  int64_t calls = 0;
+  int slow_us = 0;              // > 0: sleep this long at every flag operation
+  std::string where;            // test name, for messages
+
+  char* region(int q) const { return base + q * per_rank; }
+  char* reg_buf(int q) const { return region(q) + region_bytes(cfg.max_bytes); }
+  int64_t reg_bytes() const { return cfg.max_bytes + 256; }
+
+  // The first failure ends the run: peers would only wait for this rank until
+  // their deadlines (a forked rank's siblings are killed by run_world).
+  [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 2, 3))) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "FAIL [%s W=%d nblocks=%d %s] rank %d call %" PRId64 ": %s\n", where.c_str(),
+                 cfg.world, cfg.nblocks, cfg.processes ? "procs" : "threads", rank, calls, msg);
+    std::fflush(nullptr);
+    _exit(1);
+  }
+};
+
+// One rank's part of one collective call.
+struct CallSpec {
+  int dtype = kF32;
+  int64_t count = 1;
+  int64_t algo = kOneShot;      // kAgreeOnly: the agreement round (no data)
+  bool average = false;
+  enum Where { kPrivate, kPrivateInPlace, kRegistered, kRegisteredInPlace } where = kPrivate;
+  int in_off = 0, out_off = 0;  // elements, to test misaligned tensors
+  int graph = 0;                // 0 eager; 1 captured, entry unset; 2 captured, entry set
+  int entry = 0;
+  uint64_t seed = 1;
+  bool skip = false;            // this rank makes no call (deadline tests)
+  bool in_place() const { return where == kPrivateInPlace || where == kRegisteredInPlace; }
+  bool in_registered() const { return where == kRegistered || where == kRegisteredInPlace; }
+};
+
+enum class Expect { kOk, kMismatch, kDeadline };
+
+// What the glue's find_registered says for this input: the whole registered
+// buffer is registered, so any 16-byte aligned offset inside it.
+bool registered_for(const CallSpec& s) {
+  return s.in_registered() && s.graph == 0 && int64_t(s.in_off) * elem_size(s.dtype) % kVecBytes == 0;
+}
+
+// The mode and algorithm that run, as the kernels will publish them.
+CallDesc expected_desc(const CallSpec& s, uint32_t epoch) {
+  const int64_t bytes = s.count * elem_size(s.dtype);
+  Mode mode = kStaged;
+  if (s.algo == kAgreeOnly) {
+    mode = Mode(kModeFallback);
+  } else if (registered_for(s)) {
+    mode = s.in_place() ? kRegisteredInPlace : kRegistered;
+  } else if (s.graph == 2) {
+    mode = s.in_place() ? kRegisteredInPlace : kRegistered;
+  }
+  const int64_t algo = s.algo == kAgreeOnly ? kAgreeOnly : kernel_algo(s.algo, mode);
+  return CallDesc{uint64_t(bytes), epoch,
+                  desc_kind(kDtypeCodes[s.dtype], uint32_t(algo), uint32_t(mode), s.average, s.in_place())};
+}
+
+template <typename T>
+bool launch_typed(Rank& r, const Call& call) {
+  return launch_all_reduce<T>(r.cfg.world, call, r.cfg.nblocks, nullptr);
+}
+
+// Runs one call on rank r: the glue's decisions (call_plan.h), the kernel,
+// then every check. specs[q] is rank q's call.
+void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32_t missing = 0) {
+  const CallSpec& s = specs[size_t(r.rank)];
+  ++r.calls;
+  if (s.skip) return;
+  const int es = elem_size(s.dtype);
+  const int64_t bytes = s.count * es;
+
+  // Input and out where the spec says; private buffers have exactly their size
+  // (ASan sees any access past them) plus checked guard bytes after out.
+  char* in_alloc = nullptr;
+  char* out_alloc = nullptr;
+  char* in;
+  char* out;
+  if (s.in_registered()) {
+    in = r.reg_buf(r.rank) + int64_t(s.in_off) * es;
+    if (int64_t(s.in_off) * es + bytes > r.reg_bytes()) std::abort();
+  } else {
+    in_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.in_off) * es + bytes)));
+    in = in_alloc + int64_t(s.in_off) * es;
+  }
+  if (s.in_place()) {
+    out = in;
+  } else {
+    out_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.out_off) * es + bytes + kGuardBytes)));
+    out = out_alloc + int64_t(s.out_off) * es;
+    std::memset(out, kSentinel, size_t(bytes + kGuardBytes));
+  }
+  if (s.algo != kAgreeOnly) fill_input(in, s.dtype, s.count, s.seed, r.rank);
+  std::vector<char> before(out, out + bytes);  // a skipped call must leave out as it was
+
+  // The glue's decisions.
+  const auto in_addr = reinterpret_cast<uintptr_t>(in), out_addr = reinterpret_cast<uintptr_t>(out);
+  const bool registered = registered_for(s) && may_read_in_place(in_addr, out_addr, bytes);
+  const CallPlan plan = plan_call(in_addr, out_addr, bytes, s.algo, registered);
+  Call call{};
+  for (int q = 0; q < r.cfg.world; ++q) {
+    call.regions[q] = r.region(q);
+    if (registered) call.registered[q] = r.reg_buf(q) + int64_t(s.in_off) * es;
+  }
+  call.bytes = bytes;
+  call.desc_bytes = uint64_t(bytes);
+  call.max_bytes = r.cfg.max_bytes;
+  call.timeout_ns = r.cfg.timeout_ns;
+  call.rank = r.rank;
+  call.mode = plan.mode;
+  call.algo = s.algo;
+  call.average = s.average;
+  call.in_place = plan.in_place;
+  call.dtype = kDtypeCodes[s.dtype];
+  call.status = &r.status;
+  char* in_tmp = nullptr;
+  char* out_tmp = nullptr;
+  if (plan.copy_input) {
+    in_tmp = static_cast<char*>(std::malloc(size_t(bytes)));
+    std::memcpy(in_tmp, in, size_t(bytes));
+  }
+  if (plan.copy_out) {
+    out_tmp = static_cast<char*>(std::malloc(size_t(bytes)));
+    std::memcpy(out_tmp, out, size_t(bytes));  // out.clone()
+  }
+  call.input = in_tmp ? in_tmp : in;
+  call.out = out_tmp ? out_tmp : out;
+  if (s.algo == kAgreeOnly) {
+    call.bytes = 0;
+    call.mode = Mode(kModeFallback);
+    call.input = call.out = nullptr;
+  }
+  if (s.graph != 0) {
+    if (!plan.graph_entry_eligible || !s.in_registered()) {
+      r.fail("graph spec not eligible for an entry");
+    } else {
+      GraphEntry& e = r.entries[s.entry];
+      e = GraphEntry{};
+      if (s.graph == 2) {
+        for (int q = 0; q < r.cfg.world; ++q) e.registered[q] = r.reg_buf(q) + int64_t(s.in_off) * es;
+        e.mode = plan.in_place ? kRegisteredInPlace : kRegistered;
+      }
+      call.graph_entry = &e;
+    }
+  }
+
+  sim::options.seed = r.rng();
+  const bool slow = r.rng() % 4 == 0;
+  sim::options.flag_sleep_us = r.slow_us > 0 ? r.slow_us : slow ? int(r.rng() % 200) : 0;
+  sim::options.flag_sleep_percent = r.slow_us > 0 ? 100 : slow ? 20 : 0;
+  bool launched = false;
+  switch (s.dtype) {
+    case kF32: launched = launch_typed<float>(r, call); break;
+    case kF16: launched = launch_typed<__half>(r, call); break;
+    default: launched = launch_typed<__nv_bfloat16>(r, call); break;
+  }
+  if (!launched) r.fail("launch_all_reduce refused world %d", r.cfg.world);
+  if (out_tmp != nullptr) std::memcpy(out, out_tmp, size_t(bytes));  // out.copy_(out_tmp)
+
+  // Checks.
+  const uint32_t code = __atomic_load_n(&r.status.code, __ATOMIC_ACQUIRE);
+  if (expect == Expect::kOk) {
+    if (code != kStatusOk) {
+      r.fail("status code %u (barrier %s, missing 0x%x) on a matching call", code,
+             barrier_name(r.status.barrier), r.status.missing);
+    } else if (s.algo != kAgreeOnly) {
+      std::vector<char> want(static_cast<size_t>(bytes));
+      reference(want.data(), s.dtype, s.count, s.seed, r.cfg.world, s.average);
+      for (int64_t i = 0; i < s.count; ++i) {
+        if (std::memcmp(want.data() + i * es, out + i * es, size_t(es)) != 0) {
+          r.fail("%s %s %" PRId64 " elems algo %" PRId64 " where %d mode %d graph %d off %d/%d: element %" PRId64
+                 " is %g, want %g",
+                 kDtypeNames[s.dtype], s.average ? "avg" : "sum", s.count, s.algo, int(s.where),
+                 int(plan.mode), s.graph, s.in_off, s.out_off, i, double(to_f32(s.dtype, out + i * es)),
+                 double(to_f32(s.dtype, want.data() + i * es)));
+          break;
+        }
+      }
+    }
+  } else if (expect == Expect::kMismatch) {
+    if (code != kStatusMismatch) {
+      r.fail("status code %u on a mismatched call, want %u", code, kStatusMismatch);
+    } else {
+      for (int q = 0; q < r.cfg.world; ++q) {
+        const CallDesc want = expected_desc(specs[size_t(q)], r.status.epoch);
+        const CallDesc& got = r.status.descs[q];
+        if (got.bytes != want.bytes || got.epoch != want.epoch || got.kind != want.kind) {
+          r.fail("mismatch record: rank %d's descriptor (%" PRIu64 ", %u, 0x%x), want (%" PRIu64 ", %u, 0x%x)",
+                 q, got.bytes, got.epoch, got.kind, want.bytes, want.epoch, want.kind);
+        }
+      }
+    }
+    if (std::memcmp(before.data(), out, size_t(bytes)) != 0) r.fail("a mismatched call wrote its output");
+    std::memset(&r.status, 0, sizeof(r.status));  // the glue clears a mismatch once raised
+  } else {
+    if (code != kStatusDeadline || r.status.missing != missing) {
+      r.fail("status code %u missing 0x%x, want a deadline with missing 0x%x", code, r.status.missing, missing);
+    } else {
+      const std::string msg = deadline_message(r.status, r.rank, r.cfg.world, r.cfg.timeout_ns);
+      for (int q = 0; q < r.cfg.world; ++q) {  // (single missing ranks in these tests)
+        const bool named = msg.find(": rank " + std::to_string(q) + " never arrived") != std::string::npos;
+        if (((missing >> q) & 1u) && !named) r.fail("deadline message does not name rank %d: %s", q, msg.c_str());
+      }
+    }
+  }
+  if (!s.in_place()) {
+    for (int i = 0; i < kGuardBytes; ++i) {
+      if (uint8_t(out[bytes + i]) != kSentinel) {
+        r.fail("byte %d after the output was overwritten", i);
+        break;
+      }
+    }
+  }
+  // A caller may reuse its input at once: peers must be done with it.
+  if (s.algo != kAgreeOnly) std::memset(in, 0x7F, size_t(bytes));
+  std::free(in_alloc);
+  std::free(out_alloc);
+  std::free(in_tmp);
+  std::free(out_tmp);
+}
+
+void random_pause(Rank& r) {
+  const uint64_t x = r.rng() % 8;
+  if (x < 2) std::this_thread::sleep_for(std::chrono::microseconds(r.rng() % 300));
+  else if (x < 4) std::this_thread::yield();
+}
+
+// ---- running W ranks ----------------------------------------------------------------
+
+using RankBody = std::function<void(Rank&)>;
+using WorldSetup = std::function<void(char* base, int64_t per_rank, const Config&)>;
+
+// Maps the shared file at an address of this rank's own (a fixed hint per rank,
+// so forked processes do not all get the same address either).
+char* map_shared(int fd, int64_t total, int rank) {
+  void* hint = reinterpret_cast<void*>(uintptr_t(0x200000000000ull) + uintptr_t(rank) * (uintptr_t(1) << 36) +
+                                       uintptr_t(rank) * 0x3000);
+  void* p = mmap(hint, size_t(total), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+  if (p == MAP_FAILED) p = mmap(nullptr, size_t(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    std::perror("mmap of the shared file");
+    std::abort();
+  }
+  return static_cast<char*>(p);
+}
+
+// Returns the number of ranks that failed.
+int run_world(const std::string& name, Config cfg, const RankBody& body, const WorldSetup& setup = nullptr) {
+  const int64_t per_rank = round_up(region_bytes(cfg.max_bytes) + cfg.max_bytes + 256, 4096);
+  const int64_t total = per_rank * cfg.world;
+  const int fd = memfd_create("pyallreduce-sim", 0);
+  if (fd < 0 || ftruncate(fd, total) != 0) {
+    std::perror("memfd");
+    std::abort();
+  }
+  if (setup) {
+    char* p = static_cast<char*>(mmap(nullptr, size_t(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    setup(p, per_rank, cfg);
+    munmap(p, size_t(total));
+  }
+#if defined(SIM_TSAN)
+  // TSan tracks memory by address: a race between ranks is only visible when
+  // they access the shared memory through one mapping (threads mode only).
+  char* const one_mapping = static_cast<char*>(
+      mmap(nullptr, size_t(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+#endif
+  auto run_rank = [&](int rank) {
+    Rank r;
+    r.cfg = cfg;
+    r.rank = rank;
+    r.per_rank = per_rank;
+#if defined(SIM_TSAN)
+    r.base = one_mapping;
+#else
+    r.base = map_shared(fd, total, rank);
+#endif
+    r.rng.seed(mix(cfg.seed * 977 + uint64_t(rank)));
+    r.where = name;
+    body(r);
+#if !defined(SIM_TSAN)
+    munmap(r.base, size_t(total));
+#endif
+    return r.failures;
+  };
+  int failed = 0;
+  if (!cfg.processes) {
+    std::vector<int> result(size_t(cfg.world));
+    std::vector<std::thread> ranks;
+    for (int q = 0; q < cfg.world; ++q) ranks.emplace_back([&, q] { result[size_t(q)] = run_rank(q); });
+    for (auto& t : ranks) t.join();
+    for (int f : result) failed += f != 0;
+  } else {
+    std::fflush(nullptr);
+    std::vector<pid_t> pids;
+    for (int q = 0; q < cfg.world; ++q) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        const int f = run_rank(q);
+        std::fflush(nullptr);
+#if defined(SIM_COVERAGE)
+        __gcov_dump();  // _exit skips the exit handlers that write the counts
+#endif
+        _exit(f == 0 ? 0 : 1);
+      }
+      pids.push_back(pid);
+    }
+    for (size_t left = pids.size(); left > 0; --left) {
+      int st = 0;
+      const pid_t pid = waitpid(-1, &st, 0);
+      if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+      ++failed;
+      for (pid_t other : pids) {
+        if (other != pid) kill(other, SIGKILL);  // they would wait for the failed rank
+      }
+    }
+  }
+#if defined(SIM_TSAN)
+  munmap(one_mapping, size_t(total));
+#endif
+  close(fd);
+  return failed;
+}
+
+// ---- scripts --------------------------------------------------------------------------
+
+// Sizes (elements) around every boundary the kernels have: one element, a
+// partial vector, a partial chunk, a chunk, the blocks' first round, the two-
+// shot owners' rounds, several rounds, each with tails.
+std::vector<int64_t> sizes_for(int dt, const Config& cfg, int64_t max_count) {
+  const int64_t es = elem_size(dt), vec = kVecBytes / es, chunk = kChunkBytes / es;
+  const int64_t round = chunk * cfg.nblocks, owners = round * cfg.world;
+  std::vector<int64_t> v = {1, 2, vec - 1, vec, vec + 1, 3 * vec + 1, chunk - 1, chunk, chunk + 1,
+                            chunk + vec, round - 1, round, round + 3, owners - 1, owners,
+                            owners + chunk / 2 + 1, 2 * owners + 5, 3 * owners + chunk + 7};
+  std::vector<int64_t> out;
+  for (int64_t x : v) {
+    if (x >= 1 && x <= max_count) out.push_back(x);
+  }
+  return out;
+}
+
+// A random call every rank makes (the same spec on every rank).
+CallSpec random_spec(std::mt19937_64& g, const Config& cfg, bool allow_graph) {
+  CallSpec s;
+  s.dtype = int(g() % 3);
+  const int64_t max_count = cfg.max_bytes / elem_size(s.dtype);
+  const std::vector<int64_t> sizes = sizes_for(s.dtype, cfg, max_count);
+  s.count = sizes[g() % sizes.size()];
+  s.algo = g() % 2 ? kTwoShot : kOneShot;
+  s.average = g() % 2;
+  s.seed = g();
+  switch (g() % 6) {
+    case 0: s.where = CallSpec::kPrivate; break;
+    case 1: s.where = CallSpec::kPrivateInPlace; break;
+    case 2: case 3: s.where = CallSpec::kRegistered; break;
+    default: s.where = CallSpec::kRegisteredInPlace; break;
+  }
+  const int64_t vec = kVecBytes / elem_size(s.dtype);
+  if (g() % 4 == 0) s.in_off = int(1 + g() % (vec - 1 > 0 ? vec - 1 : 1));
+  if (g() % 4 == 0) s.out_off = int(1 + g() % (vec - 1 > 0 ? vec - 1 : 1));
+  if (g() % 4 == 0) s.in_off = int(vec * (1 + g() % 3));  // aligned, not at the buffer's start
+  if (s.in_registered() && (s.in_off + s.count) * elem_size(s.dtype) > cfg.max_bytes + 256) s.in_off = 0;
+  if (allow_graph && s.in_registered() && g() % 3 == 0) {
+    s.in_off = int(vec * (g() % 2));
+    s.out_off = 0;
+    if (s.where == CallSpec::kRegisteredInPlace) s.algo = kTwoShot;  // in-place entries are two-shot only
+    s.graph = 1 + int(g() % 2);
+    s.entry = int(g() % kGraphEntries);
+  }
+  return s;
+}
+
+// n random calls, the same on every rank, with random pauses between them.
+RankBody random_script(int n, bool allow_graph) {
+  return [n, allow_graph](Rank& r) {
+    std::mt19937_64 g(r.cfg.seed);  // the same script on every rank
+    for (int i = 0; i < n && r.failures == 0; ++i) {
+      CallSpec s = random_spec(g, r.cfg, allow_graph);
+      if (s.graph != 0 && g() % 2 == 0) {
+        // "Replays" of one captured call, its entry switched between them.
+        for (int k = 0; k < 3; ++k) {
+          s.graph = 1 + (s.graph % 2);
+          s.seed = g();
+          run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+          random_pause(r);
+        }
+        continue;
+      }
+      run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+      random_pause(r);
+    }
+  };
+}
+
+// Each listed way of calling differently, then matching calls (every mode, so
+// the epochs must really be back in step, zero-copy's two-epoch calls included).
+RankBody mismatch_script() {
+  return [](Rank& r) {
+    const int W = r.cfg.world;
+    auto same = [W](CallSpec s) { return std::vector<CallSpec>(size_t(W), s); };
+    std::vector<std::vector<CallSpec>> cases;
+    CallSpec base;
+    base.count = 3000;
+    base.seed = 7;
+    auto vary = [&](const std::function<void(CallSpec&)>& f) {
+      std::vector<CallSpec> v = same(base);
+      f(v[size_t(W - 1)]);
+      cases.push_back(v);
+    };
+    vary([](CallSpec& s) { s.count += 1; });                                   // bytes
+    vary([](CallSpec& s) { s.dtype = kBF16; s.count *= 2; });                  // dtype, same bytes
+    vary([](CallSpec& s) { s.average = true; });                               // op
+    vary([](CallSpec& s) { s.algo = kTwoShot; });                              // algorithm
+    vary([](CallSpec& s) { s.where = CallSpec::kRegistered; });                // mode: 2 epochs vs 1
+    vary([](CallSpec& s) { s.where = CallSpec::kRegisteredInPlace; s.algo = kTwoShot; });
+    vary([](CallSpec& s) { s.where = CallSpec::kPrivateInPlace; });            // in place
+    vary([](CallSpec& s) { s.algo = kAgreeOnly; });                            // fallback vs kernel
+    {  // zero-copy one-shot against two-shot everywhere else
+      CallSpec t = base;
+      t.algo = kTwoShot;
+      std::vector<CallSpec> v = same(t);
+      v[0].where = CallSpec::kRegistered;
+      v[0].algo = kOneShot;
+      cases.push_back(v);
+    }
+    std::mt19937_64 g(r.cfg.seed);
+    for (const auto& c : cases) {
+      run_call(r, c, Expect::kMismatch);
+      random_pause(r);
+      for (int k = 0; k < 3; ++k) {  // the next matching calls are exact
+        CallSpec s = random_spec(g, r.cfg, true);
+        run_call(r, same(s), Expect::kOk);
+      }
+      CallSpec agree = base;  // an agreement round that matches
+      agree.algo = kAgreeOnly;
+      run_call(r, same(agree), Expect::kOk);
+    }
+  };
+}
+
+// Rank `missing` never calls: every other rank's kernel records a deadline
+// naming it and returns.
+RankBody deadline_script(int missing) {
+  return [missing](Rank& r) {
+    CallSpec s;
+    s.count = 5000;
+    s.algo = r.cfg.seed % 2 ? kTwoShot : kOneShot;
+    run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+    std::vector<CallSpec> v(size_t(r.cfg.world), s);
+    v[size_t(missing)].skip = true;
+    run_call(r, v, Expect::kDeadline, 1u << missing);
+  };
+}
+
+// The state the old protocol leaves after ~2^32 one-shot calls: epoch counters
+// just below the wrap, start flags at the last epoch, mid flags still 0 from
+// the zeroed region. Then calls across the wrap with a slow rank 1: the first
+// ones one-shot (which, with the fix, refresh the mid flags), then two-shot,
+// zero-copy and mixed.
+WorldSetup wrap_setup(uint32_t last_epoch, bool mid_fresh) {
+  return [last_epoch, mid_fresh](char* base, int64_t per_rank, const Config& cfg) {
+    for (int q = 0; q < cfg.world; ++q) {
+      char* region = base + q * per_rank;
+      auto* start = reinterpret_cast<uint32_t*>(region + kStartFlagsOffset);
+      auto* mid = reinterpret_cast<uint32_t*>(region + kMidFlagsOffset);
+      auto* epoch = reinterpret_cast<uint32_t*>(region + kEpochOffset);
+      for (int b = 0; b < kMaxBlocks; ++b) {
+        epoch[b] = last_epoch;
+        for (int p = 0; p < cfg.world; ++p) {
+          start[flag_index(b, p)] = last_epoch;
+          mid[flag_index(b, p)] = mid_fresh ? last_epoch : 0;
+        }
+      }
+    }
+  };
+}
+RankBody wrap_script(int one_shot_first) {
+  return [one_shot_first](Rank& r) {
+    std::mt19937_64 g(r.cfg.seed);
+    const int64_t chunk = kChunkBytes / 4;
+    if (r.rank == 1) r.slow_us = 300;  // peers run ahead into the mid barrier
+    for (int i = 0; i < 8; ++i) {
+      CallSpec s;
+      s.count = 2 * chunk * r.cfg.nblocks * r.cfg.world + 3;
+      s.seed = g();
+      s.algo = i < one_shot_first ? kOneShot : kTwoShot;
+      if (i >= one_shot_first + 3) s.where = i % 2 ? CallSpec::kRegistered : CallSpec::kRegisteredInPlace;
+      run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+    }
+  };
+}
+
+// The graph table's bookkeeping (call_plan.h), as comm.capture() drives it:
+// captures of 0..block_entries + 1 eligible calls in a row. Slots are never
+// reused, never past the blocks allocated, and a capture that opens with at
+// most half a block free gets a new block (so it has at least half a block).
+bool graph_slots_ok() {
+  for (int64_t per_block = 1; per_block <= 6; ++per_block) {
+    int64_t nblocks = 0, next_slot = 0, last = -1;
+    std::mt19937_64 g{uint64_t(per_block)};
+    for (int capture = 0; capture < 40; ++capture) {
+      if (graph_needs_block(nblocks, per_block, next_slot)) {
+        next_slot = nblocks * per_block;  // graph_capture_begin skips the old block's rest
+        ++nblocks;
+      }
+      if (nblocks * per_block - next_slot < (per_block + 1) / 2) return false;
+      const int64_t calls = int64_t(g() % uint64_t(per_block + 2));
+      for (int64_t c = 0; c < calls; ++c) {
+        const int64_t slot = graph_take_slot(nblocks, per_block, next_slot);
+        if (slot < 0) continue;  // full: the call is captured without an entry
+        if (slot <= last || slot >= nblocks * per_block) return false;
+        last = slot;
+      }
+    }
+  }
+  return true;
+}
+
+// ---- suites -------------------------------------------------------------------------
+
+struct Totals {
+  int worlds = 0, failed = 0;
+};
+
+void report(Totals& t, const std::string& name, const Config& cfg, int failed, double seconds) {
+  ++t.worlds;
+  t.failed += failed != 0;
+  std::printf("%-9s W=%d nblocks=%-2d %-7s seed=%-4" PRIu64 " %6.2fs %s\n", name.c_str(), cfg.world, cfg.nblocks,
+              cfg.processes ? "procs" : "threads", cfg.seed, seconds, failed ? "FAILED" : "ok");
+  std::fflush(stdout);
+}
+
+void run(Totals& t, const std::string& only, const std::string& name, Config cfg, const RankBody& body,
+         const WorldSetup& setup = nullptr) {
+  if (!only.empty() && only != name) return;
+  if (cfg.max_bytes == 0) cfg.max_bytes = round_up(3 * kChunkBytes * cfg.nblocks * cfg.world + 4096, kAlignment);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int failed = run_world(name, cfg, body, setup);
+  report(t, name, cfg, failed, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string suite = "plain", mode = "both", only;
+  uint64_t seed = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--suite") suite = v;
+    else if (k == "--mode") mode = v;
+    else if (k == "--seed") seed = std::stoull(v);
+    else if (k == "--only") only = v;
+    else {
+      std::fprintf(stderr, "usage: %s [--suite plain|quick|tsan] [--mode threads|procs|both] [--seed N] [--only NAME]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::vector<bool> proc_modes;
+  if (mode != "procs") proc_modes.push_back(false);
+  if (mode != "threads") proc_modes.push_back(true);
+  if (!graph_slots_ok()) {
+    std::fprintf(stderr, "FAIL graph-table slot bookkeeping (call_plan.h)\n");
+    return 1;
+  }
+  const bool quick = suite != "plain";
+  const bool tsan = suite == "tsan";  // ~100x slower: the smallest worlds that still race
+  Totals t;
+  for (bool procs : proc_modes) {
+    auto cfg = [&](int w, int nb, uint64_t s) {
+      Config c;
+      c.world = w;
+      c.nblocks = nb;
+      c.processes = procs;
+      c.seed = seed * 1000 + s;
+      return c;
+    };
+    // Every world size with small grids, random mixed calls.
+    for (int w = 1; w <= kMaxRanks; ++w) {
+      const int nb = 1 + (w + int(procs)) % 4;
+      if ((quick && w > 4) || (tsan && (w == 1 || w > 3))) continue;
+      run(t, only, "random", cfg(w, tsan ? 1 + w % 2 : nb, uint64_t(w)),
+          random_script(tsan ? 6 : quick ? 8 : w <= 4 ? 24 : 10, true));
+    }
+    if (!quick) {
+      for (int nb = 1; nb <= 4; ++nb) run(t, only, "random", cfg(3, nb, 50 + uint64_t(nb)), random_script(12, true));
+      // The default grid (32 blocks), sampled: fewer calls, W 2 and 4 (8 with threads).
+      run(t, only, "default", cfg(2, 32, 60), random_script(4, false));
+      if (!procs) run(t, only, "default", cfg(8, 32, 61), random_script(2, false));
+    }
+    for (int w : {2, 3}) {
+      if ((quick && w == 3 && procs) || (tsan && w == 3)) continue;
+      run(t, only, "mismatch", cfg(w, 2, 70 + uint64_t(w)), mismatch_script());
+    }
+    {
+      Config c = cfg(3, 2, 80);
+      c.timeout_ns = 300 * 1000000ll;
+      run(t, only, "deadline", c, deadline_script(1));
+      c = cfg(2, 1, 81);
+      c.timeout_ns = 300 * 1000000ll;
+      run(t, only, "deadline", c, deadline_script(0));
+    }
+    // Across the 32-bit wrap: from the old protocol's state (mid flags 0),
+    // with the next call at 0xFFFFFFFF - 2 (two one-shot calls, then two-shot
+    // at 0xFFFFFFFF and 0), and from a state right at the wrap.
+    for (int w : {2, 3}) {
+      if (quick && w == 3) continue;
+      run(t, only, "wrap", cfg(w, 1, 90 + uint64_t(w)), wrap_script(2), wrap_setup(0xFFFFFFFCu, false));
+      run(t, only, "wrap", cfg(w, 2, 95 + uint64_t(w)), wrap_script(0), wrap_setup(0xFFFFFFFEu, true));
+    }
+  }
+  std::printf("%d worlds, %d failed\n", t.worlds, t.failed);
+  return t.failed == 0 ? 0 : 1;
+}

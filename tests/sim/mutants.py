@@ -1,0 +1,138 @@
+"""Deliberate bugs in the CUDA kernel source, each of which the host harness
+(tests/sim/harness.cpp) must catch: a check that cannot fail proves nothing.
+
+Each mutant is one textual change to a copy of csrc/ (the change must match
+exactly once, so a mutant that no longer applies is reported, not skipped),
+built with the harness in the flavour that should catch it (plain, ASan+UBSan
+or TSan), and run; the mutant is caught when the harness exits non-zero or is
+killed by a sanitizer. A mutant still running at the time limit counts as
+caught only if it says "hang", which the deadline design should make rare.
+
+    python tests/sim/mutants.py [--only NAME] [--jobs 1]
+
+Prints a table (name, flavour, result, seconds) and exits 1 if any mutant
+survived. Results are recorded in docs/verification.md.
+"""
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build  # noqa: E402  (tests/sim/build.py: one place for the compile command)
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = "cuda/all_reduce.cuh"
+DEVICE_OPS = "cuda/device_ops.h"
+
+# (name, file under csrc, original text, mutated text, flavour, harness arguments)
+MUTANTS = [
+    ("relaxed flag store/load", DEVICE_OPS,
+     "__atomic_store_n(p, v, __ATOMIC_RELEASE);\n  sim::flag_point();",
+     "__atomic_store_n(p, v, __ATOMIC_RELAXED);\n  sim::flag_point();",
+     "tsan", ["--suite", "tsan", "--mode", "threads", "--only", "random"]),
+    ("relaxed flag load", DEVICE_OPS,
+     "return __atomic_load_n(p, __ATOMIC_ACQUIRE);",
+     "return __atomic_load_n(p, __ATOMIC_RELAXED);",
+     "tsan", ["--suite", "tsan", "--mode", "threads", "--only", "random"]),
+    ("no __syncthreads before the release", KERNELS,
+     "                                            BarrierView& view) {\n  __syncthreads();",
+     "                                            BarrierView& view) {",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("no __syncthreads after the acquire", KERNELS,
+     "  }\n  __syncthreads();\n  uint32_t missing = 0;",
+     "  }\n  uint32_t missing = 0;",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("one staging buffer", KERNELS,
+     "a.sources_odd_shift = staged ? odd_shift : 0;\n  a.reduced_odd_shift = call.mode == kRegisteredInPlace ? 0 : odd_shift;",
+     "a.sources_odd_shift = 0;\n  a.reduced_odd_shift = 0;",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("no end barrier in registered one-shot", KERNELS,
+     "  if (epochs_used == 2) meet<W>(a, own_region, kStartFlagsOffset, e + 1, kBarrierEnd);",
+     "",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("exact-match flag compare", KERNELS,
+     "while (!epoch_reached(load_acquire_sys(own), e))",
+     "while (load_acquire_sys(own) != e)",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("wrong two-shot owner", KERNELS,
+     "const int owner = k % W;",
+     "const int owner = (k + 1) % W;",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("tail over-read", KERNELS,
+     "  Vec<T> r;\n  if (valid >= kVecBytes) {",
+     "  Vec<T> r;\n  if (valid > 0) {",
+     "asan", ["--suite", "quick", "--mode", "threads", "--only", "random"]),
+    ("tail over-write", KERNELS,
+     "__device__ __forceinline__ void store_vec(char* p, const Vec<T>& x, int64_t valid) {\n  if (valid >= kVecBytes) {",
+     "__device__ __forceinline__ void store_vec(char* p, const Vec<T>& x, int64_t valid) {\n  if (valid > 0) {",
+     "plain", ["--suite", "quick", "--only", "random"]),
+    ("no mid-flag store in one-shot (wrap fix removed)", KERNELS,
+     "if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/true)) return;",
+     "if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/false)) return;",
+     "plain", ["--suite", "quick", "--only", "wrap"]),
+    ("descriptor check skipped", KERNELS,
+     "  if (agree) return true;",
+     "  if (agree || true) return true;",
+     "plain", ["--suite", "quick", "--only", "mismatch"]),
+    ("mismatch recovery skips the epochs its own kind reserved", KERNELS,
+     "  if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(own_region + kEpochOffset)[blockIdx.x] = e;",
+     "  if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(own_region + kEpochOffset)[blockIdx.x] = e + desc_epochs_used(kind) - 1;",
+     "plain", ["--suite", "quick", "--only", "mismatch"]),
+    ("deadline ignored (returns as if arrived)", KERNELS,
+     "        late = 1;\n        break;",
+     "        break;",
+     "plain", ["--suite", "quick", "--only", "deadline"]),
+]
+
+
+def run_mutant(name, path, old, new, flavour, args, workdir, timeout):
+    src = workdir / "csrc"
+    if src.exists():
+        shutil.rmtree(src)
+    shutil.copytree(ROOT / "csrc", src)
+    target = src / path
+    text = target.read_text()
+    if text.count(old) != 1:
+        return "DOES NOT APPLY", 0.0
+    target.write_text(text.replace(old, new))
+    exe = workdir / f"harness_{flavour}"
+    build.compile_harness(exe, flavour, csrc=src, opt="-O0")  # builds dominate: -O0 compiles fastest
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
+                              env=build.run_env(flavour))
+    except subprocess.TimeoutExpired:
+        return "caught (hang)", time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    out = proc.stdout + proc.stderr
+    how = ("data race" if "ThreadSanitizer" in out else
+           "ASan" if "AddressSanitizer" in out else
+           "UBSan" if "runtime error" in out else "wrong result/status")
+    first = next((line for line in out.splitlines() if line.startswith(("FAIL", "sim:", "SUMMARY"))), "")
+    return f"caught ({how}) {first[:160]}", seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="run the mutants whose name contains this")
+    parser.add_argument("--timeout", type=float, default=300)
+    opts = parser.parse_args()
+    survived = 0
+    with tempfile.TemporaryDirectory(prefix="pyallreduce-mutants-") as tmp:
+        for name, path, old, new, flavour, args in MUTANTS:
+            if opts.only and opts.only not in name:
+                continue
+            result, seconds = run_mutant(name, path, old, new, flavour, args, Path(tmp), opts.timeout)
+            survived += not result.startswith("caught")
+            print(f"| {name} | {flavour} | {result} | {seconds:.1f} s |", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The Triton kernels compiled for real GPU targets, without a GPU (issue 12
+item 6): every kernel x fp32/fp16/bf16 for sm_80, sm_90 and sm_100 with
+Triton's own compiler and its bundled ptxas. The interpreter accepts code a
+GPU cannot run (non-constexpr globals, for one); this test catches that and
+checks what the hardware needs:
+
+* PTX and a cubin come out;
+* the bulk loops use 128-bit global loads (and stores) even when n_elements
+  is not a multiple of 16: the kernels are compiled without that
+  specialisation, so only their unmasked full-chunk bodies can vectorise;
+* flags are stored with st.release.sys and loaded with ld.acquire.sys, and
+  no flag is touched with a system-scope atomic (PCIe peers without native
+  peer-to-peer atomics, issue 13 item 11);
+* ptxas reports no spills.
+
+TRITON_INTERPRET is read when Triton is imported, and other tests set it, so
+the compiles run in a subprocess with it unset: `python
+tests/test_triton_targets.py` prints the rows as JSON (and `--table` a
+table). A fresh cache directory makes ptxas run, and report, every time;
+about a minute on 2 cores.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+TARGETS = (80, 90, 100)
+DTYPES = ("fp32", "fp16", "bf16")
+WORLD_SIZE = 8  # the most peers: the most registers
+NUM_WARPS = 4   # one_shot.NUM_WARPS; checked below
+# Flag primitives as signal.py writes them.
+RELEASE = "st.release.sys.global.u32"
+ACQUIRE = "ld.acquire.sys.global.u32"
+V4_LOAD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*\.v4\.")
+V4_STORE = re.compile(r"\bst\.global(?:\.[a-z0-9_]+)*\.v4\.")
+SYS_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.[a-z0-9_]+)*\.sys\b")
+
+
+def _compile_all():
+    """Compiles every kernel for every target; returns one row per compile."""
+    import contextlib
+    import io
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pyallreduce import _C
+    from pyallreduce.triton_kernels import one_shot, signal, two_shot
+
+    assert not signal.INTERPRET and one_shot.NUM_WARPS == NUM_WARPS
+    elem = {"fp32": 4, "fp16": 2, "bf16": 2}
+    kernels = [("one_shot", one_shot._kernel, d) for d in DTYPES] + \
+              [("two_shot", two_shot._kernel, d) for d in DTYPES] + [("agree", signal._agree_kernel, None)]
+    rows = []
+    for arch in TARGETS:
+        for name, fn, dtype in kernels:
+            sig = {"regions_ptr": "*i64", "status_ptr": "*i32", "rank": "i32", "timeout_ns": "i64",
+                   "desc_bytes": "i64", "kind": "i32", "call": "i64", "WORLD_SIZE": "constexpr"}
+            constexprs = {"WORLD_SIZE": WORLD_SIZE}
+            if dtype is not None:
+                sig.update({"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n_elements": "i32", "max_bytes": "i32",
+                            "CHUNK": "constexpr", "AVERAGE": "constexpr"})
+                constexprs.update({"CHUNK": one_shot.CHUNK_BYTES // elem[dtype], "AVERAGE": True})
+            sig = {n: sig[n] for n in fn.arg_names}
+            # What the launcher's specialisation gives aligned tensors; n_elements
+            # and max_bytes get none (n not a multiple of 16).
+            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                     for n in ("in_ptr", "out_ptr", "regions_ptr", "status_ptr") if n in sig}
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v here
+                k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                   options={"num_warps": NUM_WARPS if dtype else 1})
+            ptx = k.asm["ptx"]
+            regs = re.search(r"Used (\d+) registers", log.getvalue())
+            spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log.getvalue())
+            rows.append({
+                "kernel": name, "dtype": dtype or "-", "arch": arch, "ptx_bytes": len(ptx),
+                "cubin_bytes": len(k.asm.get("cubin", b"")), "v4_loads": len(V4_LOAD.findall(ptx)),
+                "v4_stores": len(V4_STORE.findall(ptx)), "release": ptx.count(RELEASE),
+                "acquire": ptx.count(ACQUIRE), "sys_atomics": SYS_ATOMIC.findall(ptx),
+                "registers": int(regs.group(1)) if regs else None,
+                "spill_bytes": sum(map(int, spills)) if spills else None, "ptxas_log": log.getvalue()[-2000:],
+                "vectors_per_thread": (_C.ALIGNMENT // (NUM_WARPS * 32 * 16)),
+            })
+    return rows
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as cache:
+        env.update(TRITON_CACHE_DIR=cache, TRITON_DUMP_PTXAS_LOG="1")
+        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"compiling for the GPU targets failed:\n{done.stderr[-6000:]}"
+    return json.loads(done.stdout)
+
+
+def _name(row):
+    return f"{row['kernel']} {row['dtype']} sm_{row['arch']}"
+
+
+def test_every_kernel_compiles_to_ptx_and_cubin_for_every_target(rows):
+    assert len(rows) == len(TARGETS) * (2 * len(DTYPES) + 1)
+    for row in rows:
+        assert row["ptx_bytes"] > 0 and row["cubin_bytes"] > 0, _name(row)
+
+
+def test_bulk_loops_use_128_bit_accesses_when_n_is_not_a_multiple_of_16(rows):
+    for row in rows:
+        if row["kernel"] == "agree":
+            continue
+        v = row["vectors_per_thread"]  # per thread per chunk: 16 bytes each
+        # one-shot: copy-in reads the input, the sum reads W staging buffers;
+        # two-shot: copy-in, the owned sum over W buffers, the gather.
+        loads, stores = {"one_shot": (1 + WORLD_SIZE, 2), "two_shot": (2 + WORLD_SIZE, 3)}[row["kernel"]]
+        assert row["v4_loads"] >= loads * v, f"{_name(row)}: {row['v4_loads']} 128-bit loads, want {loads * v}"
+        assert row["v4_stores"] >= stores * v, f"{_name(row)}: {row['v4_stores']} 128-bit stores, want {stores * v}"
+
+
+def test_flags_are_release_stores_and_acquire_loads_at_system_scope(rows):
+    for row in rows:
+        assert row["release"] > 0 and row["acquire"] > 0, f"{_name(row)}: no {RELEASE} / {ACQUIRE}"
+        assert not row["sys_atomics"], f"{_name(row)}: system-scope atomics {row['sys_atomics']}"
+
+
+def test_ptxas_reports_no_spills(rows):
+    for row in rows:
+        assert row["spill_bytes"] == 0, f"{_name(row)}: ptxas log:\n{row['ptxas_log']}"
+
+
+def _table(rows):
+    lines = ["| kernel | dtype | target | 128-bit loads | 128-bit stores | release / acquire (sys) | registers "
+             "| spills |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['dtype']} | sm_{r['arch']} | {r['v4_loads']} | {r['v4_stores']} | "
+                     f"{r['release']} / {r['acquire']} | {r['registers']} | {r['spill_bytes']} B |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if "--table" in sys.argv:
+        env_ok = "TRITON_INTERPRET" not in os.environ
+        assert env_ok, "unset TRITON_INTERPRET"
+        os.environ.setdefault("TRITON_DUMP_PTXAS_LOG", "1")
+        print(_table(_compile_all()))
+    else:
+        rows_ = _compile_all()
+        json.dump(rows_, sys.stdout)
