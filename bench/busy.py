@@ -15,8 +15,8 @@ process, does not get. Conditions:
   load N   N extra processes spinning on the CPU at the ranks' priority
 
 With --ddp, bench/ddp_train.py also runs under each load (DDP's own gloo
-all-reduce against pyallreduce's hook). Each condition runs the two backends
-alternately, --repeats times, and reports the medians.
+all-reduce against pyallreduce's hook), --repeats times. Each condition runs
+the two backends alternately, --repeats times, and reports the medians.
 """
 import argparse
 import json
@@ -54,7 +54,7 @@ def parse_args(argv=None):
                    help="most matmuls a rank does per iteration; each draws 0..work (default 6)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per backend and size (default 3)")
     p.add_argument("--ddp", action="store_true", help="also run bench/ddp_train.py under each load")
-    p.add_argument("--ddp-steps", type=int, default=15, help="timed DDP steps (default 15)")
+    p.add_argument("--ddp-steps", type=int, default=20, help="timed DDP steps per run (default 20)")
     p.add_argument("--json", type=Path, help="write configuration and results here")
     return p.parse_args(argv)
 
@@ -120,14 +120,17 @@ def stop_load(procs):
         p.wait()
 
 
-def run_ddp(args, load):
+def run_ddp(args):
+    """DDP step time per mode (bench/ddp_train.py), median of --repeats runs."""
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, str(HERE / "ddp_train.py"), "--nproc", str(args.nproc), "--steps",
                str(args.ddp_steps), "--warmup", "3", "--json", str(out)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        results = json.loads(out.read_text())["results"]
-    return {mode: r["step_s"] for mode, r in results.items()}
+        for _ in range(args.repeats):
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            runs.append({mode: r["step_s"] for mode, r in json.loads(out.read_text())["results"].items()})
+    return {mode: statistics.median(r[mode] for r in runs) for mode in runs[0]}, runs
 
 
 def main():
@@ -148,7 +151,7 @@ def main():
                 if code:
                     sys.exit(f"a rank failed with exit code {code}")
                 rows = json.loads(Path(os.environ["BUSY_OUT"]).read_text())
-            ddp = run_ddp(args, load) if args.ddp else None
+            ddp, ddp_runs = run_ddp(args) if args.ddp else (None, None)
         finally:
             stop_load(procs)
         for r in rows:
@@ -158,7 +161,7 @@ def main():
         if ddp:
             print(f"{load:>4} {'DDP step':>8} {ddp['pyallreduce']:>14.4f} {ddp['default']:>10.4f} "
                   f"{ddp['default'] / ddp['pyallreduce']:>10.2f}")
-        conditions.append(dict(load=load, rows=rows, ddp_step_s=ddp))
+        conditions.append(dict(load=load, rows=rows, ddp_step_s=ddp, ddp_runs_step_s=ddp_runs))
     if args.json:
         doc = dict(nproc=args.nproc, cores=len(os.sched_getaffinity(0)), iters=args.iters, work=args.work,
                    repeats=args.repeats, cpu=platform.processor() or platform.machine(), host=platform.node(),

@@ -1,9 +1,9 @@
 // CUDA IPC and topology helpers for pyallreduce/transport/cuda_ipc.py.
 //
 // Driver functions (address ranges, pointer attributes) are reached through
-// the runtime's cudaGetDriverEntryPointByVersion: the extension does not link
-// libcuda, so it imports on a machine without an NVIDIA driver and only these
-// calls fail there, with a Python exception.
+// the runtime's driver entry point lookup (driver_function below): the
+// extension does not link libcuda, so it imports on a machine without an
+// NVIDIA driver and only these calls fail there, with a Python exception.
 #include "ipc.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -53,13 +53,38 @@ class DeviceScope {
   c10::cuda::CUDAGuard guard_;
 };
 
-// A driver function through the runtime (CUDA 12.0 ABI of the symbol).
+// A driver function through the runtime. Which lookup depends on the CUDA
+// major version, because the extension must build with every toolkit that
+// torch>=2.4 admits (12.1 on) and import with the libcudart torch ships, whose
+// minor version may be older than the toolkit's (torch only insists on the
+// same major):
+//  - CUDA 13+: cudaGetDriverEntryPointByVersion (every 13.x libcudart has it;
+//    the old call is deprecated there), pinned to the CUDA 12.0 ABI of the
+//    symbol, which is what the typedefs at the call sites are written for.
+//  - CUDA 12.x: cudaGetDriverEntryPoint(symbol, fn, flags, status), in every
+//    12.x libcudart. Not ...ByVersion even when building with 12.5+ headers:
+//    it is missing from torch's libcudart 12.1-12.4, and one undefined symbol
+//    makes the whole _C (the CPU backend too) fail to import. It returns the
+//    symbol's version for the running 12.x runtime; cuGetErrorString,
+//    cuMemGetAddressRange(_v2) and cuPointerGetAttribute have one ABI across
+//    12.x. Deprecated from 12.5, hence the silenced warnings.
+// scripts/check_old_cuda.sh compiles this file with CUDA 12.4's nvcc.
 template <typename Fn>
 Fn driver_function(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 13000
   cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
   if (err != cudaSuccess) raise_cuda(err, "cudaGetDriverEntryPointByVersion");
+#else
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#pragma nv_diag_suppress 1444  // nvcc's front end: "declared deprecated"
+  cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#pragma nv_diag_default 1444
+#pragma GCC diagnostic pop
+  if (err != cudaSuccess) raise_cuda(err, "cudaGetDriverEntryPoint");
+#endif
   TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
               "pyallreduce: the CUDA driver does not provide ", name,
               " (driver too old for CUDA 12 entry points?)");
