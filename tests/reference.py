@@ -3,6 +3,25 @@ import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# Calls the ranks disagree about: what every rank calls, and what the last rank
+# calls instead, each (numel, dtype, op, algo, in place). Dtypes the kernels do
+# not take (float64, int64) go to torch.distributed after an agreement round;
+# numel 0 runs the agreement round alone.
+MISMATCHED_CALLS = {
+    "size": ((1000, torch.float32, "sum", "one_shot", False), (1001, torch.float32, "sum", "one_shot", False)),
+    # the same bytes: only the dtype differs
+    "dtype": ((2000, torch.float32, "sum", "two_shot", False), (4000, torch.bfloat16, "sum", "two_shot", False)),
+    "op": ((1000, torch.float16, "sum", "one_shot", False), (1000, torch.float16, "avg", "one_shot", False)),
+    "algo": ((1000, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "two_shot", False)),
+    "in_place": ((1000, torch.float32, "sum", "two_shot", True), (1000, torch.float32, "sum", "two_shot", False)),
+    "fallback_vs_one_shot": ((1000, torch.float32, "sum", "one_shot", False),
+                             (1000, torch.float64, "sum", "one_shot", False)),
+    "fallback_vs_two_shot": ((1000, torch.float64, "sum", "two_shot", True),
+                             (1000, torch.float32, "sum", "two_shot", True)),
+    "empty_vs_kernel": ((0, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "one_shot", False)),
+    "fallback_size": ((1000, torch.int64, "sum", "auto", False), (1002, torch.int64, "sum", "auto", False)),
+}
+
 
 def exact_input(numel, rank, dtype, salt=0):
     """Integer-valued and small (|x| <= 32), so any sum over <= 8 ranks is exact in every dtype."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from launch import run_ranks
-from reference import exact_input, exact_sum
+from reference import MISMATCHED_CALLS, exact_input, exact_sum
 
 SENTINEL = -7.0
 
@@ -25,35 +25,14 @@ def make_comm(**kw):
     return pyallreduce.Communicator(**kw)
 
 
-# Each case: what rank 0 calls, and what the last rank calls instead. Every
-# call goes out of place into a sentinel-filled `out` (or in place on a copy).
-# (numel, dtype, op, algo, in place)
+# tests/reference.py's mismatched calls, and one the host backend runs in
+# several protocol rounds (> 256 KiB), whose first rounds' sizes agree while
+# the calls' do not.
 CASES = {
-    "size": ((1000, torch.float32, "sum", "one_shot", False), (1001, torch.float32, "sum", "one_shot", False)),
-    # > 256 KiB: several protocol rounds; the first round's sizes agree, the call's do not.
+    **MISMATCHED_CALLS,
     "size_in_rounds": ((80000, torch.float32, "sum", "two_shot", False),
                        (131072, torch.float32, "sum", "two_shot", False)),
-    "dtype": ((1000, torch.float32, "sum", "two_shot", False), (1000, torch.bfloat16, "sum", "two_shot", False)),
-    "op": ((1000, torch.float16, "sum", "one_shot", False), (1000, torch.float16, "avg", "one_shot", False)),
-    "algo": ((1000, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "two_shot", False)),
-    "in_place": ((1000, torch.float32, "sum", "one_shot", True), (1000, torch.float32, "sum", "one_shot", False)),
-    # fp64 goes to torch.distributed (gloo): before it, the rank runs the agreement round.
-    "fallback_vs_kernel": ((1000, torch.float32, "sum", "one_shot", False),
-                           (1000, torch.float64, "sum", "one_shot", False)),
-    "empty_vs_kernel": ((0, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "one_shot", False)),
-    "fallback_size": ((1000, torch.int64, "sum", "auto", False), (1002, torch.int64, "sum", "auto", False)),
 }
-
-
-def call(comm, rank, spec):
-    numel, dtype, op, algo, in_place = spec
-    x = exact_input(numel, rank, dtype)
-    if in_place:
-        comm.all_reduce_(x, op=op, algo=algo)
-        return x
-    out = torch.full((numel,), SENTINEL, dtype=dtype)
-    comm.all_reduce(x, op=op, algo=algo, out=out)
-    return out
 
 
 def mismatched(rank, world, case):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from launch import run_ranks
-from reference import DTYPES, exact_input, exact_sum, fp32_reduction, random_input
+from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input
 
 MAX_BYTES = 64 << 10
 # Triton needs TRITON_INTERPRET before the kernels are decorated: the children
@@ -333,23 +333,6 @@ def test_calls_across_the_32_bit_epoch_wrap_are_exact(world, start_epoch, mid):
 # ---- agreement (protocol.h CallDesc) ----------------------------------------------
 
 SENTINEL = -7.0
-# Each case: what every rank calls, and what the last rank calls instead:
-# (numel, dtype, op, algo, in place). float64 goes to torch.distributed, after
-# the agreement round (MODE_FALLBACK); numel 0 runs the agreement round alone.
-MISMATCHES = {
-    "size": ((1000, torch.float32, "sum", "one_shot", False), (1001, torch.float32, "sum", "one_shot", False)),
-    "dtype": ((2000, torch.float32, "sum", "two_shot", False), (4000, torch.bfloat16, "sum", "two_shot", False)),
-    "op": ((1000, torch.float16, "sum", "one_shot", False), (1000, torch.float16, "avg", "one_shot", False)),
-    "algo": ((1000, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "two_shot", False)),
-    "in_place": ((1000, torch.float32, "sum", "two_shot", True), (1000, torch.float32, "sum", "two_shot", False)),
-    "fallback_vs_one_shot": ((1000, torch.float32, "sum", "one_shot", False),
-                             (1000, torch.float64, "sum", "one_shot", False)),
-    "fallback_vs_two_shot": ((1000, torch.float64, "sum", "two_shot", True),
-                             (1000, torch.float32, "sum", "two_shot", True)),
-    "empty_vs_kernel": ((0, torch.float32, "sum", "one_shot", False), (1000, torch.float32, "sum", "one_shot", False)),
-    "fallback_size": ((1000, torch.float64, "sum", "one_shot", False),
-                      (1002, torch.float64, "sum", "one_shot", False)),
-}
 
 
 def descriptor(spec, e):
@@ -358,7 +341,7 @@ def descriptor(spec, e):
 
     numel, dtype, op, algo, in_place = spec
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if dtype == torch.float64 or numel == 0:
+    if dtype not in DTYPES or numel == 0:
         mode, algo_id = (_C.MODE_FALLBACK if numel else _C.MODE_STAGED), _C.AGREE_ONLY
     else:
         mode, algo_id = _C.MODE_STAGED, {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}[algo]
@@ -374,7 +357,7 @@ def disagree(rank, world, cases):
     start_near_wrap(comm._transport, comm.nblocks, NEAR_WRAP)
     messages = []
     for i, case in enumerate(cases):
-        agreed, odd = MISMATCHES[case]
+        agreed, odd = MISMATCHED_CALLS[case]
         spec = odd if rank == world - 1 else agreed
         numel, dtype, op, algo, in_place = spec
         x = exact_input(numel, rank, dtype, salt=i)
@@ -407,7 +390,7 @@ def disagree(rank, world, cases):
     return messages
 
 
-@pytest.mark.parametrize("world,cases", [(2, sorted(MISMATCHES)), (3, ["algo", "fallback_vs_two_shot"])])
+@pytest.mark.parametrize("world,cases", [(2, sorted(MISMATCHED_CALLS)), (3, ["algo", "fallback_vs_two_shot"])])
 def test_ranks_that_disagree_all_raise_the_same_error_and_nothing_is_written(world, cases):
     messages = run_ranks(disagree, world, cases, timeout=300, env=ENV)
     for r in range(1, world):
