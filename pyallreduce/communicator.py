@@ -166,9 +166,19 @@ class Communicator:
         return int(nblocks)
 
     def _unsupported_group_reason(self):
-        """Collective: every rank reaches the same answer."""
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, host_id(), group=self.group)
+        """Collective: every rank reaches the same answer. Raises on every rank
+        when the ranks asked for different settings: a different nblocks makes
+        blocks wait for peers that never come, a different max_bytes makes
+        odd-epoch reads run past a smaller peer's region."""
+        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks)
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        if len({e[1:] for e in every}) > 1:
+            rows = "\n".join(f"  rank {q}: backend={b!r}, device={d}, max_bytes={m}, nblocks={n}"
+                             for q, (_, b, d, m, n) in enumerate(every))
+            raise ValueError("pyallreduce: the ranks created this Communicator with different settings; "
+                             f"every rank must pass the same backend, device type, max_bytes and nblocks:\n{rows}")
+        hosts = [e[0] for e in every]
         if len(set(hosts)) > 1:
             return f"the group spans {len(set(hosts))} hosts"
         if self.world_size > _C.MAX_RANKS:

@@ -161,6 +161,28 @@ def mismatch(rank, world):
     comm.close()
 
 
+# Per rank: the Communicator's arguments. "auto" and "cpu" resolve alike on CPU.
+SETTINGS = {
+    "different_max_bytes": (lambda rank: {"max_bytes": (64 << 10) * (1 + rank)}, True),
+    "same_once_resolved": (lambda rank: {"backend": "cpu" if rank else "auto"}, False),
+}
+
+
+def created_with(rank, world, setting):
+    kwargs, differ = SETTINGS[setting]
+    if differ:
+        expect(ValueError, r"different settings[\s\S]*rank 0: .*max_bytes=65536[\s\S]*rank 1: .*max_bytes=131072",
+               make_comm, **kwargs(rank))
+        return
+    with make_comm(**kwargs(rank)) as comm:
+        assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), float(world)))
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_ranks_must_create_the_communicator_with_the_same_settings(setting):
+    run_ranks(created_with, 2, setting, timeout=120)
+
+
 def test_debug_mode_detects_mismatched_calls():
     run_ranks(mismatch, 2, timeout=120)
 
