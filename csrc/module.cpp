@@ -369,5 +369,8 @@ PYBIND11_MODULE(_C, m) {
   bind_shm(m);
 #ifdef PYALLREDUCE_WITH_CUDA
   bind_cuda_ipc(m);
+  // Here, not in ipc.cu: returning tensors needs torch's pybind casters, which nvcc does not compile.
+  m.def("cuda_clear_buffers", &clear_cuda_buffers, py::arg("handle"),
+        "drops the communicator's registrations; returns the captured inputs peers may map");
 #endif
 }

@@ -169,18 +169,24 @@ class Communicator:
         """Collective: every rank reaches the same answer. Raises on every rank
         when the ranks asked for different settings: a different nblocks makes
         blocks wait for peers that never come, a different max_bytes makes
-        odd-epoch reads run past a smaller peer's region."""
-        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks)
+        odd-epoch reads run past a smaller peer's region. Lowers nblocks on
+        every rank alike when ranks share a GPU (policy.resident_nblocks)."""
+        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks, self._gpu_capacity())
         every = [None] * self.world_size
         dist.all_gather_object(every, mine, group=self.group)
-        if len({e[1:] for e in every}) > 1:
+        if len({e[1:5] for e in every}) > 1:
             rows = "\n".join(f"  rank {q}: backend={b!r}, device={d}, max_bytes={m}, nblocks={n}"
-                             for q, (_, b, d, m, n) in enumerate(every))
+                             for q, (_, b, d, m, n, _) in enumerate(every))
             raise ValueError("pyallreduce: the ranks created this Communicator with different settings; "
                              f"every rank must pass the same backend, device type, max_bytes and nblocks:\n{rows}")
         hosts = [e[0] for e in every]
         if len(set(hosts)) > 1:
             return f"the group spans {len(set(hosts))} hosts"
+        gpus = [e[5] for e in every]
+        if None not in gpus:
+            self.nblocks, reason = policy.resident_nblocks(self.nblocks, gpus)
+            if reason:
+                log_once(reason)
         if self.world_size > _C.MAX_RANKS:
             return f"world size {self.world_size} exceeds {_C.MAX_RANKS}"
         if self.device.type == "cuda":
@@ -190,6 +196,22 @@ class Communicator:
             if not ok:
                 return reason
         return None
+
+    def _gpu_capacity(self):
+        """(this rank's GPU, how many blocks of our kernels it holds at once),
+        or None (no GPU kernels, or the GPU cannot tell). The Triton kernels'
+        occupancy is not queried: one block per SM, which they always fit."""
+        if self.device.type != "cuda" or self.world_size > _C.MAX_RANKS:
+            return None
+        try:
+            index = self.device.index
+            if self.backend == "cuda":
+                blocks = _C.cuda_resident_blocks(index, self.world_size)
+            else:
+                blocks = torch.cuda.get_device_properties(index).multi_processor_count
+            return (_C.cuda_pci_bus_id(index), blocks)
+        except RuntimeError:
+            return None
 
     def _make_transport(self):
         if self.device.type == "cuda":
@@ -235,6 +257,12 @@ class Communicator:
         in the same order. Returns True when registered. Memory legacy CUDA IPC
         cannot export (expandable segments) keeps the staging copy, with a log
         line, and returns False; so do the other backends, which always copy.
+
+        Lifetime: the communicator keeps `tensor` alive, and the peers keep
+        its memory mapped, until unregister(tensor) or close() on every rank
+        (after close(sync=False), until the process exits: see close()). A
+        buffer no longer needed must be unregistered, or it stays allocated
+        here and mapped by every peer.
         """
         self._check_tensor(tensor, "tensor")
         if not self._cuda_kernels:
@@ -248,6 +276,43 @@ class Communicator:
             return False
         _C.cuda_register_buffer(self._handle, tensor.data_ptr(), tensor.nbytes, addrs)
         return True
+
+    def unregister(self, tensor):
+        """Collective: undoes register(tensor); every rank unregisters its
+        corresponding buffer, in the same order. Returns True when it was
+        registered, else False (always on the backends that copy, where
+        register() is a no-op too). Later calls with inputs inside it copy
+        through the staging buffers again.
+
+        Waits for this device's kernels (the calls of the registered modes
+        end at a barrier every rank's kernel passes, so once ours are done no
+        peer reads our buffer either), removes it from the kernels' table,
+        unmaps the peers' allocations nothing else here still uses, and then
+        agrees with the other ranks: only when every rank has unmapped does
+        the communicator drop its reference, so the memory may be reused.
+        An error on any rank raises on every rank, and the buffer then stays
+        allocated until the process exits (a peer may still map it). A CUDA
+        graph that captured a call reading the buffer in place holds the
+        peers' addresses of it: do not replay it after unregistering.
+        """
+        self._check_tensor(tensor, "tensor")
+        if not self._cuda_kernels:
+            return False
+        from .transport.cuda_ipc import agree, park
+
+        ptr, kept, error, found = tensor.data_ptr(), [], None, False
+        try:
+            torch.cuda.synchronize(self.device)
+            found = _C.cuda_unregister_buffer(self._handle, ptr)
+            kept, error = self._transport.unregister(ptr)
+        except RuntimeError as e:
+            error = str(e)
+        try:
+            agree(error, self.group, "unregistering a buffer", RuntimeError)
+        except RuntimeError:
+            park(self.device.index, None, kept)
+            raise
+        return bool(found or kept)
 
     @contextlib.contextmanager
     def capture(self):
@@ -377,7 +442,18 @@ class Communicator:
     def close(self):
         """Releases the mapped memory. Safe to call twice. On CUDA it is
         collective (every rank calls it): an exported allocation must not be
-        freed while a peer still maps it."""
+        freed while a peer still maps it. Registered buffers and the inputs
+        of captured zero-copy calls are dropped after every rank has unmapped
+        them; the graphs captured with this communicator must not be
+        replayed any more.
+
+        Leaving `with Communicator(...)` by an exception, garbage collection
+        and process exit close without the other ranks (they may be gone):
+        this waits for this device's own kernels and unmaps the peers, but
+        keeps the own region, the registered buffers and the captured inputs
+        allocated until the process exits (peers may still map them), with
+        one log line. Call close() on every rank to free them.
+        """
         self._close(sync=True)
 
     def _close(self, sync):
@@ -385,17 +461,28 @@ class Communicator:
             return
         self._closed = True
         _live.discard(self)
-        if self._cuda_kernels:
-            _C.cuda_clear_buffers(self._handle)
-        if self._handle is not None:
-            _C.destroy_context(self._handle)
-            self._handle = None
-        if self._transport is not None:
-            transport, self._transport = self._transport, None
-            if self.device.type == "cuda":
-                transport.close(sync=sync)
-            else:
-                transport.close()
+        transport, self._transport = self._transport, None
+        try:
+            if self._cuda_kernels:
+                from .transport.cuda_ipc import synchronize_quietly
+
+                # No kernel of ours may read the graph table while it is freed. The
+                # inputs of zero-copy graph entries, which peers map, come back: the
+                # transport drops them with the registered buffers, after every rank
+                # has unmapped them (or never, without sync).
+                synchronize_quietly(self.device)
+                transport.keep(_C.cuda_clear_buffers(self._handle) or [])
+        finally:
+            try:
+                if self._handle is not None:
+                    _C.destroy_context(self._handle)
+                    self._handle = None
+            finally:
+                if transport is not None:
+                    if self.device.type == "cuda":
+                        transport.close(sync=sync)
+                    else:
+                        transport.close()
 
     @property
     def _cuda_kernels(self):

@@ -20,8 +20,12 @@ model's process group); only the way the bytes move differs.
   communicator (`Communicator.register`, where the communicator has it) and read in place
   instead of through the staging buffers. Registration is collective; it happens in bucket
   index order, which DDP follows on every rank, and again for every bucket after DDP's
-  rebuild (the one moment all ranks agree the storage may have moved). On CPU this is a
-  no-op: the host kernel always copies through its shared-memory staging buffers.
+  rebuild (the one moment all ranks agree the storage may have moved). At the first hook
+  call after the rebuild every buffer registered before it (the first iteration's buckets,
+  their compressed copies) is unregistered, in bucket index order, so that DDP's old
+  buckets are freed and unmapped by the peers instead of doubling the gradients' memory.
+  On CPU this is a no-op: the host kernel always copies through its shared-memory staging
+  buffers.
 * Buckets the communicator should not take (its group cannot be served, a dtype it does not
   reduce, sizes where the crossover table says the reference wins) go to the process
   group's own asynchronous all-reduce, with the reason logged once.
@@ -69,8 +73,9 @@ class HookState:
     """What `allreduce_hook` needs: the communicator, the options and counters.
 
     Counters (per rank): calls (hook calls), reference_calls (buckets given to the process
-    group's own all-reduce), registrations (zero-copy registrations), seconds (host time
-    spent inside the hook; on CPU the whole reduction, on CUDA only issuing the work).
+    group's own all-reduce), registrations and unregistrations (zero-copy buffers), seconds
+    (host time spent inside the hook; on CPU the whole reduction, on CUDA only issuing the
+    work).
     """
 
     def __init__(self, model, communicator=None, *, compression=None, nblocks=None, backend=None,
@@ -90,13 +95,17 @@ class HookState:
         self.calls = 0
         self.reference_calls = 0
         self.registrations = 0
+        self.unregistrations = 0
         self.seconds = 0.0
         self.hierarchy = None
         self._model = weakref.ref(model)  # DDP holds the state: no cycle through it
         self._always_reference = None  # a reason every bucket goes to the reference
         self._owned = []  # communicators created here, closed by close()
-        self._registered = {}  # bucket index -> (rebuilt?, data_ptr, nbytes) last registered
+        # bucket index -> (the tensor registered, or None where the communicator declined it,
+        # its data_ptr, nbytes): what was last registered for the bucket
+        self._registered = {}
         self._wire = {}  # bucket index -> persistent low-precision buffer (compression + zero copy)
+        self._seen_rebuild = False  # whether the buffers registered before DDP's rebuild are gone
 
         comm_options = {k: v for k, v in dict(nblocks=nblocks, backend=backend, max_bytes=max_bytes,
                                                timeout=timeout).items() if v is not None}
@@ -194,6 +203,7 @@ class HookState:
         return None
 
     def all_reduce(self, buffer, index):
+        self._follow_rebuild()  # first: also when every rebuilt bucket goes to the reference
         wire_dtype = self.compression or buffer.dtype
         reason = self._reference_reason(wire_dtype, buffer.numel() * wire_dtype.itemsize)
         if reason is not None:
@@ -247,29 +257,50 @@ class HookState:
             return buffer
         if not self._zero_copy:
             return buffer.to(self.compression)
-        # Registered buffers must stay put: one per bucket, replaced only when DDP's rebuild
-        # changes the bucket's size.
+        # Registered buffers must stay put: one per bucket, replaced only when the bucket's
+        # size changes (DDP's rebuild), which it does on every rank at the same call.
         wire = self._wire.get(index)
         if wire is None or wire.numel() != buffer.numel():
+            if wire is not None:
+                self._unregister(index)  # or it stays allocated, and mapped by every peer
             wire = self._wire[index] = torch.empty(buffer.numel(), dtype=self.compression, device=buffer.device)
         return wire.copy_(buffer)
+
+    def _follow_rebuild(self):
+        """At the first hook call after DDP rebuilt its buckets (every rank sees the flag
+        turn at the same call), unregisters every buffer registered before: the old
+        buckets, which DDP no longer uses, and their compressed copies, which would
+        otherwise stay allocated here and mapped by every peer for the whole training."""
+        if not self._zero_copy or self._seen_rebuild:
+            return
+        if not getattr(self._model(), "_has_rebuilt_buckets", False):
+            return
+        self._seen_rebuild = True
+        self._wire = {}
+        for index in sorted(self._registered):  # unregistration is collective: the same order on every rank
+            self._unregister(index)
+
+    def _unregister(self, index):
+        tensor, _, _ = self._registered.pop(index, (None, 0, 0))
+        if tensor is not None:
+            self.comm.unregister(tensor)
+            self.unregistrations += 1
 
     def _register(self, index, tensor):
         if not self._zero_copy:
             return
-        model = self._model()
-        rebuilt = bool(getattr(model, "_has_rebuilt_buckets", False))
-        key = (rebuilt, tensor.data_ptr(), tensor.nbytes)
+        key = (tensor.data_ptr(), tensor.nbytes)
         old = self._registered.get(index)
-        if old == key:
-            return
-        if old is not None and old[0] == rebuilt:
+        if old is not None:
+            if old[1:] == key:
+                return
             # Registration is collective, and nothing tells the other ranks that this
             # rank's storage moved: registering here alone would deadlock.
             raise RuntimeError(f"pyallreduce.ddp: bucket {index}'s storage moved although DDP did not rebuild "
                                "its buckets; zero-copy registration cannot follow it")
-        self.comm.register(tensor)
-        self._registered[index] = key
+        registered = self.comm.register(tensor)
+        # Held only while registered (the communicator holds it then anyway), to unregister it.
+        self._registered[index] = (tensor if registered else None, *key)
         self.registrations += 1
 
     def _reference(self, buffer):

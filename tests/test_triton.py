@@ -7,7 +7,8 @@ deadline fire with its rank named.
 Also: the wrap fix (calls across the 32-bit epoch wrap from an old-protocol
 history, and a deterministic mid-barrier check), and the per-call agreement
 (mismatched calls raise the same error on every rank, nothing is written, the
-next call works).
+next call works); and the two-shot ownership (every rank reduces its share of
+the chunks, within one chunk of the others', read from its staging buffer).
 
 The interpreter runs each program as Python, so sizes are small and programs
 few; the whole file takes 3 to 5 minutes on 2 busy cores.
@@ -183,6 +184,72 @@ def test_bitwise_equal_to_reference_cpu_backend_and_peers(world, nblocks):
     digests = [d for _, d in results]
     for r in range(1, world):
         assert digests[r] == digests[0], f"rank {r}'s results differ from rank 0's"
+
+
+# ---- two-shot ownership (protocol.h chunk_owner_rank, chunk_block) ---------------
+
+SHARES_MAX_BYTES = 1 << 20  # 256 chunks: room for nblocks * W + 1 at nblocks 32, W 4
+
+
+def share_sizes(world, nblocks):
+    """numel of each call: around the boundaries of one group (W chunks) and of
+    one round of groups over the programs (nblocks * W chunks); each count of
+    chunks whole, and with a partial tail as its last chunk."""
+    chunk = chunk_elems(torch.float32)
+    counts = sorted({1, world - 1, world, world + 1, nblocks * world - 1, nblocks * world + 1} - {0})
+    return [n * chunk - tail for n in counts for tail in (0, 3)]
+
+
+def reduced_chunks(rank, world, nblocks):
+    """Makes a two-shot call of each share_sizes size and returns, per call,
+    the chunks this rank reduced, read from its own staging buffer of that
+    call (data[e % 2]): an owned chunk holds the sum, any other still this
+    rank's input copy. The inputs are positive, so the two always differ."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+    from pyallreduce.transport import HostShmTransport
+
+    chunk = chunk_elems(torch.float32)
+    t = HostShmTransport(dist.group.WORLD, SHARES_MAX_BYTES)
+    reduced = []
+    try:
+        for numel in share_sizes(world, nblocks):
+            xs = [(torch.arange(numel) % 5 + q + 1).float() for q in range(world)]
+            want = sum(xs)
+            out = torch.empty(numel)
+            tk.all_reduce(xs[rank], out, t.regions, rank, world, SHARES_MAX_BYTES, nblocks, _C.TWO_SHOT, False,
+                          TIMEOUT_S)
+            assert torch.equal(out, want), f"numel {numel}: wrong result"
+            e = region_words(t, rank, _C.EPOCH_OFFSET, 1)[0]  # every program's epoch: all made the same calls
+            staging = region_words(t, rank, _C.DATA_OFFSET + (e & 1) * SHARES_MAX_BYTES, numel, ctypes.c_float)
+            staged = torch.frombuffer(staging, dtype=torch.float32).clone()
+            mine = []
+            for c in range(-(-numel // chunk)):
+                part = slice(c * chunk, (c + 1) * chunk)
+                if torch.equal(staged[part], want[part]):
+                    mine.append(c)
+                else:
+                    assert torch.equal(staged[part], xs[rank][part]), \
+                        f"numel {numel}: chunk {c} of the staging buffer is neither the sum nor the input"
+            reduced.append(mine)
+    finally:
+        t.close()
+    return reduced
+
+
+# Several programs matter: owners by program rounds (rank (c / nblocks) % W,
+# the mapping before issue 13 item 4) balance only at nblocks 1, and give rank
+# 0 every chunk of a call below nblocks chunks.
+@pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (3, 32), (4, 3), (4, 32)])
+def test_two_shot_spreads_the_reduction_evenly_over_the_ranks(world, nblocks):
+    results = run_ranks(reduced_chunks, world, nblocks, timeout=300, env=ENV)
+    chunk = chunk_elems(torch.float32)
+    for i, numel in enumerate(share_sizes(world, nblocks)):
+        nchunks = -(-numel // chunk)
+        mine = [results[r][i] for r in range(world)]
+        what = f"{nchunks} chunks (numel {numel}), W={world}, nblocks={nblocks}: reduced per rank {mine}"
+        assert sorted(c for cs in mine for c in cs) == list(range(nchunks)), f"{what}: each chunk once"
+        assert all(len(cs) in (nchunks // world, -(-nchunks // world)) for cs in mine), f"{what}: unbalanced"
 
 
 def expect_deadline(call, barrier, missing, timeout_s):

@@ -18,16 +18,37 @@ CHUNK_BYTES = _C.ALIGNMENT
 NUM_WARPS = 4
 
 
+# Which program handles chunk c (protocol.h chunk_block): (c // W) % nprog, in
+# every phase of both algorithms, so a program touches the same bytes of the
+# staging buffers in every call (the per-program flags rely on it). W
+# consecutive chunks, one per two-shot owner (c % W, chunk_owner_rank), form a
+# group, and groups go round-robin over the programs; program pid's k-th chunk
+# (protocol.h block_chunk) is
+#     c = (pid + k // W * nprog) * W + k % W,   owned by rank k % W.
 # Every loop over chunks runs its full chunks unmasked and then at most one
 # masked tail chunk (TAIL). A mask the compiler cannot prove constant over 16
 # bytes (n_elements not a multiple of 16) would make every access of a chunk
 # scalar; without one, the full chunks get 16-byte vector loads and stores
 # (tests/test_triton_targets.py). Helpers are few and coarse on purpose: the
-# interpreter pays about 2 ms per call of a @triton.jit function.
+# interpreter pays about 2 ms per call of a @triton.jit function. Numerators
+# stay nonnegative (pid < nprog), where Triton's // and % (truncating) and
+# Python's (flooring, on the interpreter's plain ints) agree.
 @triton.jit
-def tail_chunk(n_elements, CHUNK: tl.constexpr):
-    """The index of the partial last chunk, or -1 when there is none."""
-    return tl.where(n_elements % CHUNK != 0, n_elements // CHUNK, -1)
+def full_chunks(n_elements, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """How many full chunks program pid handles: its k runs over 0..this - 1."""
+    nfull = n_elements // CHUNK
+    groups = nfull // WORLD_SIZE  # whole groups; then a partial one of nfull % W chunks
+    # Program pid's whole groups are pid, pid + nprog, ... below `groups`.
+    count = (groups + nprog - 1 - pid) // nprog * WORLD_SIZE
+    return count + tl.where(groups % nprog == pid, nfull % WORLD_SIZE, 0)
+
+
+@triton.jit
+def tail_chunk(n_elements, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """The index of the partial last chunk if there is one and it is program
+    pid's, else -1."""
+    tail = n_elements // CHUNK
+    return tl.where((n_elements % CHUNK != 0) & (tail // WORLD_SIZE % nprog == pid), tail, -1)
 
 
 @triton.jit
@@ -97,14 +118,15 @@ def copy_chunk(src_ptr, dst_ptr, c, n_elements, CHUNK: tl.constexpr, TAIL: tl.co
 
 
 @triton.jit
-def copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK: tl.constexpr):
+def copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """Copies this program's chunks of the input (in_ptr: *T) into own_buf (*T,
     this rank's staging buffer): peers read the copy, so the caller may reuse
     its input as soon as the call returns."""
-    for c in range(pid, n_elements // CHUNK, nprog):
+    for k in range(0, full_chunks(n_elements, pid, nprog, CHUNK, WORLD_SIZE)):
+        c = (pid + k // WORLD_SIZE * nprog) * WORLD_SIZE + k % WORLD_SIZE
         copy_chunk(in_ptr, own_buf, c, n_elements, CHUNK, False, False, True)
-    tail = tail_chunk(n_elements, CHUNK)
-    if (tail >= 0) & (tail % nprog == pid):
+    tail = tail_chunk(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+    if tail >= 0:
         copy_chunk(in_ptr, own_buf, tail, n_elements, CHUNK, True, False, True)
 
 
@@ -144,16 +166,17 @@ def _kernel(
     own = tl.load(regions_ptr + rank)
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
-    copy_in(in_ptr, (own + staging).to(tl.pointer_type(T)), n_elements, pid, nprog, CHUNK)
+    copy_in(in_ptr, (own + staging).to(tl.pointer_type(T)), n_elements, pid, nprog, CHUNK, WORLD_SIZE)
     # No mid barrier: start_call also refreshes the mid flags (the wrap fix).
     if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False,
                   WORLD_SIZE):
-        # Chunk c belongs to program c % nprog on every rank and in every call.
-        for c in range(pid, n_elements // CHUNK, nprog):
+        # The chunks this program copied in, on every rank (chunk_block).
+        for k in range(0, full_chunks(n_elements, pid, nprog, CHUNK, WORLD_SIZE)):
+            c = (pid + k // WORLD_SIZE * nprog) * WORLD_SIZE + k % WORLD_SIZE
             store_chunk(out_ptr, c, reduce_chunk(regions_ptr, staging, c, n_elements, CHUNK, AVERAGE, WORLD_SIZE, T,
                                                  False), n_elements, CHUNK, False, False)
-        tail = tail_chunk(n_elements, CHUNK)
-        if (tail >= 0) & (tail % nprog == pid):
+        tail = tail_chunk(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+        if tail >= 0:
             store_chunk(out_ptr, tail, reduce_chunk(regions_ptr, staging, tail, n_elements, CHUNK, AVERAGE, WORLD_SIZE,
                                                     T, True), n_elements, CHUNK, True, False)
 

@@ -5,7 +5,8 @@ instead of W-1: the bandwidth-bound sizes."""
 import triton
 import triton.language as tl
 
-from .one_shot import CHUNK_BYTES, NUM_WARPS, copy_chunk, copy_in, reduce_chunk, store_chunk, tail_chunk
+from .one_shot import (CHUNK_BYTES, NUM_WARPS, copy_chunk, copy_in, full_chunks, reduce_chunk, store_chunk,
+                       tail_chunk)
 from .signal import DATA_OFFSET, MID_BARRIER, MID_FLAGS_OFFSET, barrier, next_epoch, start_call
 
 
@@ -33,34 +34,33 @@ def _kernel(
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
     own_buf = (own + staging).to(tl.pointer_type(T))
-    copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK)
+    copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK, WORLD_SIZE)
     if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, True,
                   WORLD_SIZE):
-        # Chunk c is program c % nprog's and rank (c // nprog) % W's
-        # (protocol.h chunk_owner_rank): this program's chunks owned by this
-        # rank are pid + nprog * (rank + W * k).
+        # Chunk c is program (c // W) % nprog's and rank c % W's (protocol.h
+        # chunk_block, chunk_owner_rank; one_shot.py): this program's chunks
+        # owned by this rank are (pid + nprog * j) * W + rank, one per group.
         nfull = n_elements // CHUNK
-        tail = tail_chunk(n_elements, CHUNK)
+        tail = tail_chunk(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
         # The result overwrites this rank's own input copy, which no peer reads
         # before the mid barrier.
-        for c in range(pid + nprog * rank, nfull, nprog * WORLD_SIZE):
+        for c in range(pid * WORLD_SIZE + rank, nfull, nprog * WORLD_SIZE):
             store_chunk(own_buf, c, reduce_chunk(regions_ptr, staging, c, n_elements, CHUNK, AVERAGE, WORLD_SIZE, T,
                                                  False), n_elements, CHUNK, False, True)
-        if (tail >= 0) & (tail % nprog == pid) & ((tail // nprog) % WORLD_SIZE == rank):
+        if (tail >= 0) & (tail % WORLD_SIZE == rank):
             store_chunk(own_buf, tail, reduce_chunk(regions_ptr, staging, tail, n_elements, CHUNK, AVERAGE, WORLD_SIZE,
                                                     T, True), n_elements, CHUNK, True, True)
         if barrier(regions_ptr, own, MID_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr, call, MID_BARRIER,
                    WORLD_SIZE):
-            # Every chunk from its owner's staging buffer. Counted in k, not c:
-            # LLVM would otherwise share the loop guard (pid < nfull) with
-            # copy-in's, and ptxas spills it across the barriers (sm_80).
-            for k in range(0, (nfull - pid + nprog - 1) // nprog):
-                c = pid + k * nprog
-                owner_buf = (tl.load(regions_ptr + (c // nprog) % WORLD_SIZE) + staging).to(tl.pointer_type(T))
+            # Every chunk of this program from its owner's staging buffer.
+            for k in range(0, full_chunks(n_elements, pid, nprog, CHUNK, WORLD_SIZE)):
+                c = (pid + k // WORLD_SIZE * nprog) * WORLD_SIZE + k % WORLD_SIZE
+                owner_buf = (tl.load(regions_ptr + k % WORLD_SIZE) + staging).to(tl.pointer_type(T))
                 copy_chunk(owner_buf, out_ptr, c, n_elements, CHUNK, False, True, False)
-            if (tail >= 0) & (tail % nprog == pid):
-                owner_buf = (tl.load(regions_ptr + (tail // nprog) % WORLD_SIZE) + staging).to(tl.pointer_type(T))
+            if tail >= 0:
+                owner_buf = (tl.load(regions_ptr + tail % WORLD_SIZE) + staging).to(tl.pointer_type(T))
                 copy_chunk(owner_buf, out_ptr, tail, n_elements, CHUNK, True, True, False)
+
 
 def launch(input, out, regions, status, rank, world_size, max_bytes, nblocks, average, timeout_ns, desc_bytes,
            kind, call):

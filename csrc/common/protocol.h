@@ -170,15 +170,41 @@ inline bool epoch_reached(uint32_t flag, uint32_t epoch) {
   return uint32_t(flag - epoch) <= 1u;
 }
 
-// Two-shot ownership. Chunk c (a fixed number of elements, chosen by the
-// backend) is handled by block c % nblocks on every rank, and reduced by rank
-// (c / nblocks) % W. Both depend only on c, so the per-block argument above
-// holds across calls of different sizes and algorithms.
+// Chunk ownership. Chunk c (a fixed number of bytes, chosen by the backend)
+// is reduced in two-shot by rank c % W, and handled by block (c / W) %
+// nblocks on every rank in every phase of both algorithms: W consecutive
+// chunks, one per owner, form a group, and groups go round-robin over the
+// blocks. Both depend only on c (and the communicator's fixed W and nblocks),
+// so a block touches the same bytes of the staging buffers in every call,
+// which the per-block argument above needs; and every size spreads the
+// reduction over the ranks (their shares differ by at most one chunk).
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
-inline int64_t chunk_owner_rank(int64_t chunk, int nblocks, int world_size) {
-  return (chunk / nblocks) % world_size;
+inline constexpr int64_t chunk_owner_rank(int64_t chunk, int world_size) {
+  return chunk % world_size;
+}
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr int64_t chunk_block(int64_t chunk, int nblocks, int world_size) {
+  return (chunk / world_size) % nblocks;
+}
+// Block b's k-th chunk, k = 0, 1, ... in increasing order (its owner is
+// k % W), and how many of [0, nchunks) are block b's.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr int64_t block_chunk(int block, int64_t k, int nblocks, int world_size) {
+  return (block + k / world_size * nblocks) * world_size + k % world_size;
+}
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr int64_t block_rounds(int block, int64_t nchunks, int nblocks, int world_size) {
+  const int64_t groups = nchunks / world_size;  // complete ones; then nchunks % W chunks of the next
+  return (groups - block + nblocks - 1) / nblocks * world_size +
+         (groups % nblocks == block ? nchunks % world_size : 0);
 }
 
 }  // namespace pyallreduce

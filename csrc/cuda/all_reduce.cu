@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -27,6 +28,12 @@
 namespace pyallreduce {
 namespace {
 
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
 // ---- zero-copy registrations ------------------------------------------------------
 // Per context: registered local buffers by start address, and the graph table.
 // The key is the Context's address (the op implementation receives a Context&,
@@ -36,6 +43,7 @@ namespace {
 struct Registration {
   int64_t nbytes = 0;
   std::array<int64_t, kMaxRanks> peers{};  // every rank's buffer as mapped here
+  bool captured = false;  // a captured call reads it in place: its graph holds the peers' addresses
 };
 
 // A call captured inside comm.capture(), until it exits. The ranks compare
@@ -69,6 +77,12 @@ struct GraphTable {
   int64_t next_slot = 0;
   std::vector<int64_t> input;       // per slot: this rank's captured input (0: never used)
   std::vector<uint8_t> in_place;    // per slot: the captured call was in place
+  // Per slot: the captured input itself. Peers map its memory once the entry
+  // is zero copy, and the graph's pool may free it when the graph goes: it is
+  // kept until close() hands it to the transport, which drops it only after
+  // every peer has unmapped it (a reference, no copy; no CUDA call: legal
+  // during a capture).
+  std::vector<at::Tensor> kept;
   bool open = false;                // inside comm.capture()
   std::vector<CapturedCall> captured;
   int64_t calls_without_entry = 0;  // eligible, but the block was full
@@ -130,8 +144,10 @@ ContextBuffers& buffers_for(const std::shared_ptr<Context>& ctx) {
 // If [ptr, ptr + nbytes) lies inside a registered buffer at a 16-byte aligned
 // offset, fills every rank's corresponding address. Every rank registered
 // buffers of equal size at 16-byte aligned addresses and calls with the same
-// offset, so every rank reaches the same answer here.
-bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&peers)[kMaxRanks]) {
+// offset, so every rank reaches the same answer here. A call being captured
+// marks the buffer: it cannot be unregistered any more.
+bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&peers)[kMaxRanks],
+                     bool capturing = false) {
   std::lock_guard<std::mutex> lock(buffers_mutex);
   ContextBuffers* table = buffers_of(&ctx);
   if (table == nullptr) return false;
@@ -143,6 +159,7 @@ bool find_registered(const Context& ctx, int64_t ptr, int64_t nbytes, char* (&pe
   for (int q = 0; q < ctx.world_size; ++q) {
     peers[q] = reinterpret_cast<char*>(it->second.peers[q] + offset);
   }
+  it->second.captured |= capturing;
   return true;
 }
 
@@ -187,6 +204,7 @@ const cuda::GraphEntry* graph_entry_for(const Context& ctx, cudaStream_t stream,
     } else {
       graph.input[slot] = reinterpret_cast<int64_t>(input);
       graph.in_place[slot] = in_place;
+      graph.kept[slot] = tensor;
     }
   }
   graph.captured.push_back({slot, reinterpret_cast<int64_t>(input), bytes, in_place, algo,
@@ -255,6 +273,8 @@ struct StatusRecord {
   cuda::CallStatus* device = nullptr;  // the same memory as the kernels address it
   char* own_region = nullptr;          // tells a record of a destroyed context whose address was reused
   int64_t last_call = 0;               // ctx.calls of the last launch: the call a record is about
+  cuda::LaunchOrder order;             // the last eager launch's stream (call_plan.h)
+  cudaEvent_t launched = nullptr;      // recorded after it
 };
 
 std::mutex status_mutex;
@@ -262,6 +282,7 @@ std::unordered_map<const Context*, StatusRecord> status_by_context;
 
 void free_status(StatusRecord& rec) {
   if (rec.host != nullptr && cudaFreeHost(rec.host) != cudaSuccess) cudaGetLastError();
+  if (rec.launched != nullptr && cudaEventDestroy(rec.launched) != cudaSuccess) cudaGetLastError();
   rec = StatusRecord{};
 }
 
@@ -283,7 +304,20 @@ StatusRecord& status_of(Context& ctx) {
   rec.host = static_cast<cuda::CallStatus*>(host);
   rec.device = static_cast<cuda::CallStatus*>(device);
   rec.own_region = ctx.own_region();
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&rec.launched, cudaEventDisableTiming));
   return rec;
+}
+
+// Launches one kernel of the communicator after its previous one, whatever
+// stream each is on (call_plan.h LaunchOrder).
+template <typename Launch>
+void launch_in_order(StatusRecord& rec, cudaStream_t stream, bool capturing, Launch launch) {
+  if (cuda::order_launch(rec.order, stream, capturing)) {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, rec.launched, 0));
+  }
+  launch();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!capturing) C10_CUDA_CHECK(cudaEventRecord(rec.launched, stream));
 }
 
 // Raises what the kernels recorded, if anything (only a deadline when
@@ -303,9 +337,7 @@ void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool m
     ctx.broken.store(true);
     TORCH_CHECK(false, msg);
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture == cudaStreamCaptureStatusNone) {
+  if (!is_capturing(stream)) {
     // Other blocks of that kernel may still be finishing (the record's writer
     // was only the first); the kernel may be on another stream.
     C10_CUDA_CHECK(cudaDeviceSynchronize());
@@ -320,10 +352,8 @@ void cuda_check(Context& ctx) {
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
   StatusRecord& rec = status_of(ctx);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   // Every kernel launched so far finishes or reaches its deadline.
-  if (capture == cudaStreamCaptureStatusNone) C10_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!is_capturing(stream)) C10_CUDA_CHECK(cudaDeviceSynchronize());
   raise_recorded(ctx, rec, stream);
 }
 
@@ -353,6 +383,7 @@ void graph_capture_begin(int64_t handle, int64_t block_entries) {
     graph.blocks.push_back(std::move(block));
     graph.input.resize(graph.blocks.size() * block_entries, 0);
     graph.in_place.resize(graph.blocks.size() * block_entries, 0);
+    graph.kept.resize(graph.blocks.size() * block_entries);
   }
   graph.open = true;
   graph.captured.clear();
@@ -458,20 +489,34 @@ bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr) {
   std::shared_ptr<Context> ctx = get_context(handle);
   std::lock_guard<std::mutex> lock(buffers_mutex);
   ContextBuffers* table = buffers_of(ctx.get());
-  return table != nullptr && table->by_start.erase(local_ptr) > 0;
+  if (table == nullptr) return false;
+  auto it = table->by_start.find(local_ptr);
+  if (it == table->by_start.end()) return false;
+  TORCH_CHECK(!it->second.captured, "pyallreduce: unregister: a CUDA graph captured a call that reads this "
+              "buffer in place, and its replays use the peers' mappings of it; it stays registered until "
+              "close() (free the graph, then close the communicator)");
+  table->by_start.erase(it);
+  return true;
 }
 
-void clear_cuda_buffers(int64_t handle) {
+std::vector<at::Tensor> clear_cuda_buffers(int64_t handle) {
   std::shared_ptr<Context> ctx = get_context(handle);
   std::lock_guard<std::mutex> lock(buffers_mutex);
+  std::vector<at::Tensor> kept;
   auto it = buffers_by_context.find(ctx.get());
-  if (it != buffers_by_context.end()) erase_buffers(it);
+  if (it != buffers_by_context.end()) {
+    for (at::Tensor& t : it->second.graph.kept) {
+      if (t.defined()) kept.push_back(std::move(t));
+    }
+    erase_buffers(it);
+  }
   std::lock_guard<std::mutex> status_lock(status_mutex);
   auto st = status_by_context.find(ctx.get());
   if (st != status_by_context.end()) {
     free_status(st->second);
     status_by_context.erase(st);
   }
+  return kept;
 }
 
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes) {
@@ -511,8 +556,9 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   auto* out_ptr = static_cast<char*>(out.data_ptr());
   const auto in_addr = reinterpret_cast<uintptr_t>(in_ptr);
   const auto out_addr = reinterpret_cast<uintptr_t>(out_ptr);
+  const bool capturing = is_capturing(stream);
   const bool registered = cuda::may_read_in_place(in_addr, out_addr, bytes) &&
-                          find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered);
+                          find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered, capturing);
   const cuda::CallPlan plan = cuda::plan_call(in_addr, out_addr, bytes, algo, registered);
   call.mode = plan.mode;
   call.in_place = plan.in_place;
@@ -533,22 +579,23 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
                                      plan.in_place, algo, average);
 
   bool launched = false;
-  switch (input.scalar_type()) {
-    case at::kFloat:
-      launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
-      break;
-    case at::kHalf:
-      launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
-      break;
-    case at::kBFloat16:
-      launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
-      break;
-    default:
-      break;
-  }
+  launch_in_order(rec, stream, capturing, [&] {
+    switch (input.scalar_type()) {
+      case at::kFloat:
+        launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kHalf:
+        launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kBFloat16:
+        launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      default:
+        break;
+    }
+  });
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for dtype ", input.scalar_type(),
               " and world size ", ctx.world_size);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (out_tmp.defined()) out.copy_(out_tmp);
   // The call the error names: a record already there before this launch is an
   // earlier call's (the last launched one, most likely); one that appears now
@@ -561,11 +608,9 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
 void cuda_agree(Context& ctx, CallDesc desc) {
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   // The host must know the answer before it calls torch.distributed, and a
   // capture cannot wait for it: there is no agreement round inside a capture.
-  if (capture != cudaStreamCaptureStatusNone) return;
+  if (is_capturing(stream)) return;
   StatusRecord& rec = status_of(ctx);
   raise_recorded(ctx, rec, stream, /*mismatch_too=*/false);
   // An earlier call's mismatch not raised yet: take it out of the record first,
@@ -594,13 +639,57 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   call.average = (desc.kind >> 24) & 1u;
   call.in_place = (desc.kind >> 25) & 1u;
   call.status = rec.device;
-  TORCH_CHECK(cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream),
-              "pyallreduce: no CUDA kernel for world size ", ctx.world_size);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bool launched = false;
+  launch_in_order(rec, stream, /*capturing=*/false, [&] { launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream); });
+  TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for world size ", ctx.world_size);
   rec.last_call = ctx.calls;
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   raise_recorded(ctx, rec, stream);
   if (!earlier.empty()) throw CallMismatch(earlier);
+}
+
+namespace {
+// The fewest blocks of any kernel instance for world size W that one SM holds.
+template <int W>
+int least_blocks_per_sm() {
+  int least = INT_MAX;
+  auto query = [&least](auto kernel) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, cuda::kThreads, 0));
+    least = std::min(least, n);
+  };
+  auto for_type = [&query](auto zero) {
+    using T = decltype(zero);
+    query(cuda::one_shot_kernel<T, W, false>);
+    query(cuda::one_shot_kernel<T, W, true>);
+    query(cuda::two_shot_kernel<T, W, false>);
+    query(cuda::two_shot_kernel<T, W, true>);
+  };
+  for_type(float{});
+  for_type(__half{});
+  for_type(__nv_bfloat16{});
+  return least;
+}
+}  // namespace
+
+int64_t cuda_resident_blocks(int64_t device, int64_t world_size) {
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, static_cast<int>(device)));
+  static_assert(kMaxRanks == 8, "extend the switch below");
+  int per_sm = 0;
+  switch (world_size) {
+    case 1: per_sm = least_blocks_per_sm<1>(); break;
+    case 2: per_sm = least_blocks_per_sm<2>(); break;
+    case 3: per_sm = least_blocks_per_sm<3>(); break;
+    case 4: per_sm = least_blocks_per_sm<4>(); break;
+    case 5: per_sm = least_blocks_per_sm<5>(); break;
+    case 6: per_sm = least_blocks_per_sm<6>(); break;
+    case 7: per_sm = least_blocks_per_sm<7>(); break;
+    case 8: per_sm = least_blocks_per_sm<8>(); break;
+    default: TORCH_CHECK(false, "pyallreduce: no CUDA kernel for world size ", world_size);
+  }
+  return int64_t(per_sm) * sms;
 }
 
 }  // namespace pyallreduce

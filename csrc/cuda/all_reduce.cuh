@@ -6,10 +6,12 @@
 //
 // Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
 // thread t of a block handles the 16-byte vector t of each of its chunks.
-// Chunk c belongs to block c % gridDim.x on every rank, and gridDim.x is the
-// communicator's fixed nblocks, so block b of every rank touches the same bytes
-// in every call and algorithm: that is what lets per-block flags (no grid-wide
-// barrier) and double buffering (no end barrier) work.
+// Chunk c belongs to block (c / W) % gridDim.x on every rank and is reduced in
+// two-shot by rank c % W (protocol.h chunk_block, chunk_owner_rank); W and
+// gridDim.x are the communicator's fixed world size and nblocks, so block b of
+// every rank touches the same bytes in every call and algorithm: that is what
+// lets per-block flags (no grid-wide barrier) and double buffering (no end
+// barrier) work.
 //
 // Summation is in fp32, always in rank order 0..W-1, with no FMA (only adds;
 // the build also passes -fmad=false), and "avg" is a true IEEE division by W:
@@ -422,26 +424,37 @@ __device__ __forceinline__ int64_t vec_offset(int64_t chunk) {
   return chunk * kChunkBytes + int64_t(threadIdx.x) * kVecBytes;
 }
 
+// This block's rounds in [0, bytes), and the byte offset of this thread's
+// vector in round k (the block's k-th chunk).
+template <int W>
+__device__ __forceinline__ int64_t this_block_rounds(int64_t bytes) {
+  return block_rounds(int(blockIdx.x), (bytes + kChunkBytes - 1) / kChunkBytes, int(gridDim.x), W);
+}
+template <int W>
+__device__ __forceinline__ int64_t round_offset(int64_t k) {
+  return vec_offset(block_chunk(int(blockIdx.x), k, int(gridDim.x), W));
+}
+
 // Copies this block's chunks of [0, bytes) to dst. The block's chunks are
-// c = blockIdx.x + k * gridDim.x for rounds k = 0, 1, ...; src_of(k) gives the
-// source buffer of round k (nullptr: skip it). kCopyBatch rounds are loaded
-// before any is stored, so each thread keeps several 16-byte loads in flight.
-template <typename T, typename SrcOf>
+// block_chunk(blockIdx.x, k) for rounds k = 0, 1, ... (owner k % W); src_of(k)
+// gives the source buffer of round k (nullptr: skip it). kCopyBatch rounds are
+// loaded before any is stored, so each thread keeps several 16-byte loads in
+// flight.
+template <typename T, int W, typename SrcOf>
 __device__ __forceinline__ void copy_block_chunks(char* dst, int64_t bytes, SrcOf src_of) {
-  const int64_t nchunks = (bytes + kChunkBytes - 1) / kChunkBytes;
-  const int rounds = int((nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  const int rounds = int(this_block_rounds<W>(bytes));
   for (int k = 0; k < rounds; k += kCopyBatch) {
     Vec<T> v[kCopyBatch];
     const char* src[kCopyBatch];
 #pragma unroll
     for (int i = 0; i < kCopyBatch; ++i) {
-      const int64_t off = vec_offset(blockIdx.x + int64_t(k + i) * gridDim.x);
+      const int64_t off = round_offset<W>(k + i);
       src[i] = (k + i < rounds && off < bytes) ? src_of(k + i) : nullptr;
       if (src[i] != nullptr) v[i] = load_vec<T>(src[i] + off, bytes - off);
     }
 #pragma unroll
     for (int i = 0; i < kCopyBatch; ++i) {
-      const int64_t off = vec_offset(blockIdx.x + int64_t(k + i) * gridDim.x);
+      const int64_t off = round_offset<W>(k + i);
       if (src[i] != nullptr) store_vec<T>(dst + off, v[i], bytes - off);
     }
   }
@@ -484,14 +497,14 @@ __device__ __forceinline__ void one_shot(const KernelArgs& a) {
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   if (staged) {  // own staging buffer = own source
     const char* const input = a.input;
-    copy_block_chunks<T>(const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift, a.bytes,
+    copy_block_chunks<T, W>(const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift, a.bytes,
                          [input](int) { return input; });
   }
   if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/true)) return;
 
-  const int64_t nchunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t off = vec_offset(c);
+  const int64_t rounds = this_block_rounds<W>(a.bytes);
+  for (int64_t k = 0; k < rounds; ++k) {
+    const int64_t off = round_offset<W>(k);
     if (off < a.bytes) reduce_at<T, W>(a, shift, off, nullptr);
   }
   if (epochs_used == 2) meet<W>(a, own_region, kStartFlagsOffset, e + 1, kBarrierEnd);
@@ -503,8 +516,8 @@ __device__ __forceinline__ void one_shot(const KernelArgs& a) {
 // chunks. Each rank moves 2(W-1)/W of the payload over the links instead of
 // W-1 times it.
 //
-// Ownership (protocol.h's chunk_owner_rank): chunk c = blockIdx.x + k * nblocks
-// (round k of this block) is reduced by rank k % W.
+// Ownership (protocol.h's chunk_owner_rank): this block's round k is reduced by
+// rank k % W, so every size spreads the reduction over all ranks.
 template <typename T, int W>
 __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
@@ -517,17 +530,16 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   char* const own_reduced = select_rank<W>(a.reduced, a.rank) + reduced_shift;
   if (staged) {  // own staging buffer = own source = own reduced buffer
     const char* const input = a.input;
-    copy_block_chunks<T>(own_reduced, a.bytes, [input](int) { return input; });
+    copy_block_chunks<T, W>(own_reduced, a.bytes, [input](int) { return input; });
   }
   if (!start_call<W>(a, own_region, e, kind, /*with_mid=*/false)) return;
 
   // Reduce-scatter over rounds k = rank, rank + W, ... Only the owner touches
   // chunk c in this phase (on every rank), so writing the result over its own
   // source (in place) is safe.
-  const int64_t nchunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
-  for (int64_t c = blockIdx.x + int64_t(a.rank) * gridDim.x; c < nchunks;
-       c += int64_t(W) * gridDim.x) {
-    const int64_t off = vec_offset(c);
+  const int64_t rounds = this_block_rounds<W>(a.bytes);
+  for (int64_t k = a.rank; k < rounds; k += W) {
+    const int64_t off = round_offset<W>(k);
     if (off < a.bytes) reduce_at<T, W>(a, shift, off, own_reduced);
   }
   // Peers read our reduced chunks only after this.
@@ -535,7 +547,7 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
 
   // All-gather from each round's owner (own rounds are already in out).
   const int rank = a.rank;
-  copy_block_chunks<T>(a.out, a.bytes, [&a, rank, reduced_shift](int k) -> const char* {
+  copy_block_chunks<T, W>(a.out, a.bytes, [&a, rank, reduced_shift](int k) -> const char* {
     const int owner = k % W;
     return owner == rank ? nullptr : select_rank<W>(a.reduced, owner) + reduced_shift;
   });

@@ -64,6 +64,30 @@ inline int64_t graph_take_slot(int64_t nblocks, int64_t block_entries, int64_t& 
   return next_slot < nblocks * block_entries ? next_slot++ : -1;
 }
 
+// One communicator's kernels must run one after another on the device: two
+// of its kernels running at once on one rank race on the per-block epochs
+// (wrong sums, or barriers that never meet). The host-side lock orders the
+// launches, not the GPU work, and callers launch on several streams (the DDP
+// hook's side stream, the current stream of eager calls). So a launch on a
+// stream other than the previous launch's first waits for that launch's event.
+// Launches being captured into a CUDA graph are not chained: a capture cannot
+// wait on an event recorded outside it (torch.cuda.graph synchronizes the
+// device when the capture begins), and a replay is ordered by the stream it is
+// replayed on only (README: replay on the stream of the eager calls).
+struct LaunchOrder {
+  bool any = false;   // a launch was recorded
+  cudaStream_t last{};  // on this stream, with the communicator's event
+};
+// Whether a launch on `stream` must first wait for the previous launch's
+// event; notes this launch (the caller records the event after it).
+inline bool order_launch(LaunchOrder& order, cudaStream_t stream, bool capturing) {
+  if (capturing) return false;
+  const bool wait = order.any && order.last != stream;
+  order.any = true;
+  order.last = stream;
+  return wait;
+}
+
 inline const char* barrier_name(uint32_t barrier) {
   return barrier == kBarrierStart ? "start" : barrier == kBarrierMid ? "mid" : "end";
 }

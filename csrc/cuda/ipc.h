@@ -12,6 +12,9 @@
 
 #include "../common/protocol.h"
 
+namespace at {
+class Tensor;
+}
 namespace pybind11 {
 class module_;
 }
@@ -48,7 +51,13 @@ void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
 // Returns false if local_ptr was not registered.
 bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr);
 // Drops every registration of the communicator (call before destroy_context).
-void clear_cuda_buffers(int64_t handle);
+// Returns the captured inputs that graph entries may have made zero copy:
+// peers may map them, so the caller keeps them alive until they unmapped.
+std::vector<at::Tensor> clear_cuda_buffers(int64_t handle);
+// How many blocks of the all-reduce kernels for world_size ranks `device`
+// holds resident at once (occupancy x SMs; policy.py bounds nblocks with it
+// when several ranks share a GPU).
+int64_t cuda_resident_blocks(int64_t device, int64_t world_size);
 // Whether an input at ptr of nbytes would be read in place (zero-copy).
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes);
 

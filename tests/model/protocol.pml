@@ -128,8 +128,9 @@
  * Rank r's region: start_flags[b][q] and mid_flags[b][q] (written by rank q's
  * block b), epoch[b], desc[p][b][q], data[p] (block b's chunk owned by rank j:
  * one tag). reg: rank r's registered (zero-copy) input, block b's chunk j.
- * Chunk c belongs to block c % nblocks and to owner (c / nblocks) % W, so a
- * block only ever touches its own chunks: W chunks per block suffice. */
+ * Chunk c belongs to block (c / W) % nblocks and to owner c % W (protocol.h
+ * chunk_block, chunk_owner_rank), so a block only ever touches its own
+ * chunks, and one group of W chunks (one per owner) per block suffices. */
 #define FI(r, b, q)    (((r) * NB + (b)) * W + (q))
 #define DI(r, p, b, q) ((((r) * 2 + (p)) * NB + (b)) * W + (q))
 #define RI(r, b, j)    (((r) * NB + (b)) * W + (j))

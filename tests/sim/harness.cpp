@@ -24,6 +24,8 @@
 #include <cmath>
 #include <cstdarg>
 #include <functional>
+#include <future>
+#include <memory>
 #include <random>
 #include <string>
 
@@ -223,6 +225,32 @@ CallDesc expected_desc(const CallSpec& s, uint32_t epoch) {
                   desc_kind(kDtypeCodes[s.dtype], uint32_t(algo), uint32_t(mode), s.average, s.in_place())};
 }
 
+// Two-shot balance (protocol.h chunk_owner_rank): a staged two-shot call
+// leaves the chunks this rank reduced in its staging buffer, and its own input
+// copy in every other chunk. Every rank must have reduced floor or ceil of
+// nchunks / W chunks, so the ranks' shares differ by at most one chunk at every
+// size. (A chunk that holds both the input and the result counts either way.)
+void check_two_shot_share(Rank& r, const char* input, const char* result, int64_t bytes) {
+  const uint32_t e = reinterpret_cast<const uint32_t*>(r.region(r.rank) + kEpochOffset)[0];
+  const char* staging = r.region(r.rank) + staging_offset(e, r.cfg.max_bytes);
+  const int64_t nchunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  int64_t surely = 0, maybe = 0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t off = c * kChunkBytes;
+    const size_t len = size_t(std::min(kChunkBytes, bytes - off));
+    const bool is_input = std::memcmp(staging + off, input + off, len) == 0;
+    const bool is_result = std::memcmp(staging + off, result + off, len) == 0;
+    if (!is_input && !is_result) r.fail("staging chunk %" PRId64 " holds neither the input nor the result", c);
+    surely += !is_input;
+    maybe += is_result;
+  }
+  const int64_t lo = nchunks / r.cfg.world, hi = (nchunks + r.cfg.world - 1) / r.cfg.world;
+  if (surely > hi || maybe < lo) {
+    r.fail("two-shot of %" PRId64 " chunks: this rank reduced %" PRId64 "-%" PRId64 " of them, want %" PRId64
+           "-%" PRId64 " (unbalanced ownership)", nchunks, surely, maybe, lo, hi);
+  }
+}
+
 template <typename T>
 bool launch_typed(Rank& r, const Call& call) {
   return launch_all_reduce<T>(r.cfg.world, call, r.cfg.nblocks, nullptr);
@@ -259,6 +287,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   }
   if (s.algo != kAgreeOnly) fill_input(in, s.dtype, s.count, s.seed, r.rank);
   std::vector<char> before(out, out + bytes);  // a skipped call must leave out as it was
+  const std::vector<char> input(in, in + bytes);
 
   // The glue's decisions.
   const auto in_addr = reinterpret_cast<uintptr_t>(in), out_addr = reinterpret_cast<uintptr_t>(out);
@@ -343,6 +372,8 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
           break;
         }
       }
+      const bool staged_two_shot = plan.mode == kStaged && s.graph != 2 && s.algo == kTwoShot;
+      if (staged_two_shot && r.cfg.world > 1) check_two_shot_share(r, input.data(), want.data(), bytes);
     }
   } else if (expect == Expect::kMismatch) {
     if (code != kStatusMismatch) {
@@ -497,7 +528,8 @@ std::vector<int64_t> sizes_for(int dt, const Config& cfg, int64_t max_count) {
   const int64_t es = elem_size(dt), vec = kVecBytes / es, chunk = kChunkBytes / es;
   const int64_t round = chunk * cfg.nblocks, owners = round * cfg.world;
   std::vector<int64_t> v = {1, 2, vec - 1, vec, vec + 1, 3 * vec + 1, chunk - 1, chunk, chunk + 1,
-                            chunk + vec, round - 1, round, round + 3, owners - 1, owners,
+                            chunk + vec, chunk * cfg.world - 1, chunk * cfg.world + 1, round - 1, round,
+                            round + 3, owners - 1, owners,
                             owners + chunk / 2 + 1, 2 * owners + 5, 3 * owners + chunk + 7};
   std::vector<int64_t> out;
   for (int64_t x : v) {
@@ -556,6 +588,58 @@ RankBody random_script(int n, bool allow_graph) {
       run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
       random_pause(r);
     }
+  };
+}
+
+// A staged two-shot call of every boundary size (fp32 and bf16): each checks
+// the ranks' shares of the reduction (check_two_shot_share) besides the result.
+RankBody balance_script() {
+  return [](Rank& r) {
+    for (int dt : {kF32, kBF16}) {
+      for (int64_t count : sizes_for(dt, r.cfg, r.cfg.max_bytes / elem_size(dt))) {
+        CallSpec s;
+        s.dtype = dt;
+        s.count = count;
+        s.algo = kTwoShot;
+        s.seed = uint64_t(count);
+        run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+      }
+    }
+  };
+}
+
+// One communicator used from two streams (the DDP hook's side stream and the
+// current stream): each rank launches its calls on two simulated streams, a
+// thread per launch that starts after its stream's previous launch, and after
+// the previous launch on the other stream only where the glue's order_launch
+// says to wait for its event. Without that wait a rank's two kernels run at
+// once and race on the epochs.
+RankBody streams_script(int n) {
+  return [n](Rank& r) {
+    std::mt19937_64 g(r.cfg.seed);  // the same calls on every rank
+    std::mt19937_64 pick(r.rng());  // each rank's own choice of streams
+    Rank on[2] = {r, r};            // each stream's launches run one at a time on its own copy
+    on[1].rng.seed(r.rng());
+    LaunchOrder order;
+    std::shared_future<void> last, tail[2];  // the previous launch (its event); each stream's last
+    std::vector<std::thread> launches;
+    for (int i = 0; i < n; ++i) {
+      const std::vector<CallSpec> specs(size_t(r.cfg.world), random_spec(g, r.cfg, false));
+      const int k = int(pick() % 2);
+      const bool wait = order_launch(order, reinterpret_cast<cudaStream_t>(uintptr_t(k) + 1), false);
+      const std::shared_future<void> after_stream = tail[k], after_event = wait ? last : std::shared_future<void>();
+      auto done = std::make_shared<std::promise<void>>();
+      tail[k] = last = done->get_future().share();
+      Rank* stream = &on[k];
+      launches.emplace_back([=] {
+        if (after_stream.valid()) after_stream.wait();
+        if (after_event.valid()) after_event.wait();
+        run_call(*stream, specs, Expect::kOk);
+        done->set_value();
+      });
+    }
+    for (auto& t : launches) t.join();
+    r.failures = on[0].failures + on[1].failures;
   };
 }
 
@@ -754,6 +838,11 @@ int main(int argc, char** argv) {
       run(t, only, "default", cfg(2, 32, 60), random_script(4, false));
       if (!procs) run(t, only, "default", cfg(8, 32, 61), random_script(2, false));
     }
+    for (int w = 2; w <= 4 && !tsan; ++w) {
+      if (procs && w != 3) continue;
+      run(t, only, "balance", cfg(w, 3, 40 + uint64_t(w)), balance_script());
+    }
+    if (!tsan) run(t, only, "streams", cfg(procs ? 2 : 3, 2, 30), streams_script(quick ? 12 : 24));
     for (int w : {2, 3}) {
       if ((quick && w == 3 && procs) || (tsan && w == 3)) continue;
       run(t, only, "mismatch", cfg(w, 2, 70 + uint64_t(w)), mismatch_script());

@@ -27,6 +27,8 @@ import build  # noqa: E402  (tests/sim/build.py: one place for the compile comma
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = "cuda/all_reduce.cuh"
 DEVICE_OPS = "cuda/device_ops.h"
+PLAN = "cuda/call_plan.h"
+PROTOCOL = "common/protocol.h"
 
 # (name, file under csrc, original text, mutated text, flavour, harness arguments)
 MUTANTS = [
@@ -62,6 +64,22 @@ MUTANTS = [
      "const int owner = k % W;",
      "const int owner = (k + 1) % W;",
      "plain", ["--suite", "quick", "--only", "random"]),
+    ("unbalanced two-shot ownership (block c % nblocks, owner (c / nblocks) % W)", PROTOCOL,
+     "  return (block + k / world_size * nblocks) * world_size + k % world_size;\n}\n#if defined(__CUDACC__)\n"
+     "__host__ __device__\n#endif\ninline constexpr int64_t block_rounds(int block, int64_t nchunks, int nblocks, "
+     "int world_size) {\n  const int64_t groups",
+     "  return block + k * nblocks;\n}\n#if defined(__CUDACC__)\n__host__ __device__\n#endif\n"
+     "inline constexpr int64_t block_rounds(int block, int64_t nchunks, int nblocks, int world_size) {\n"
+     "  return (nchunks - block + nblocks - 1) / nblocks;\n  const int64_t groups",
+     "plain", ["--suite", "quick", "--mode", "threads", "--only", "balance"]),
+    ("misaligned out written in place by zero-copy calls", PLAN,
+     "p.copy_out = p.mode != kRegisteredInPlace && !vec_aligned(out);",
+     "p.copy_out = p.mode == kStaged && !vec_aligned(out);",
+     "asan", ["--suite", "quick", "--mode", "threads", "--only", "random"]),
+    ("launches on two streams not ordered", PLAN,
+     "  const bool wait = order.any && order.last != stream;",
+     "  const bool wait = false;",
+     "plain", ["--suite", "quick", "--mode", "threads", "--only", "streams"]),
     ("tail over-read", KERNELS,
      "  Vec<T> r;\n  if (valid >= kVecBytes) {",
      "  Vec<T> r;\n  if (valid > 0) {",
@@ -114,7 +132,8 @@ def run_mutant(name, path, old, new, flavour, args, workdir, timeout):
     how = ("data race" if "ThreadSanitizer" in out else
            "ASan" if "AddressSanitizer" in out else
            "UBSan" if "runtime error" in out else "wrong result/status")
-    first = next((line for line in out.splitlines() if line.startswith(("FAIL", "sim:", "SUMMARY"))), "")
+    first = next((line for line in out.splitlines()
+                  if line.startswith(("FAIL", "sim:", "SUMMARY")) or "runtime error" in line), "")
     return f"caught ({how}) {first[:160]}", seconds
 
 

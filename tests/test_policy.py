@@ -1,0 +1,64 @@
+"""pyallreduce.policy's decisions that need no device: the grid size bound for
+ranks sharing a GPU (issue: MPS, several ranks per GPU)."""
+import pytest
+
+from pyallreduce.policy import resident_nblocks
+
+H100 = 132  # SMs; the kernels (512 threads, __launch_bounds__(512, 1)) fit one block per SM
+
+
+def test_one_rank_per_gpu_keeps_the_requested_grid():
+    assert resident_nblocks(32, [(f"gpu{q}", H100) for q in range(8)]) == (32, None)
+
+
+def test_eight_ranks_on_one_gpu_fit_together():
+    nblocks, reason = resident_nblocks(32, [("gpu0", H100)] * 8)
+    assert nblocks == H100 // 8 == 16
+    assert nblocks * 8 <= H100
+    assert "nblocks 32 -> 16" in reason and "'gpu0': 8" in reason
+
+
+def test_the_most_crowded_gpu_decides_for_every_rank():
+    # 3 ranks on gpu0, 1 on gpu1: gpu0 holds 132 // 3 = 44 per rank.
+    devices = [("gpu0", H100), ("gpu0", H100), ("gpu1", H100), ("gpu0", H100)]
+    assert resident_nblocks(64, devices)[0] == 44
+    assert resident_nblocks(40, devices) == (40, None)
+    # A smaller GPU with two ranks decides over a bigger one with three.
+    assert resident_nblocks(64, [("a", 30), ("a", 30), ("b", H100), ("b", H100), ("b", H100)])[0] == 15
+
+
+def test_every_rank_gets_the_same_answer_whatever_its_position():
+    devices = [("gpu0", H100)] * 5 + [("gpu1", 60)] * 3
+    answers = {resident_nblocks(32, devices[q:] + devices[:q]) for q in range(len(devices))}
+    assert len(answers) == 1 and next(iter(answers))[0] == 20
+
+
+def test_a_gpu_too_small_for_one_block_per_rank_is_an_error():
+    with pytest.raises(ValueError, match="4 ranks share GPU gpu0, which holds only 3 blocks"):
+        resident_nblocks(8, [("gpu0", 3)] * 4)
+
+
+def _shared_gpu_rank(rank, world, capacity):
+    import torch
+
+    import pyallreduce
+    from pyallreduce import communicator
+
+    # The GPU facts this rank would gather (no GPU here): every rank on one GPU.
+    communicator.Communicator._gpu_capacity = lambda self: ("gpu0", capacity)
+    logged = []
+    communicator.log_once = logged.append
+    with pyallreduce.Communicator(device="cpu", backend="triton", nblocks=4, max_bytes=64 << 10) as comm:
+        x = torch.arange(3000, dtype=torch.float32) + rank
+        y = comm.all_reduce(x)
+        assert torch.equal(y, sum(torch.arange(3000, dtype=torch.float32) + q for q in range(world)))
+        return comm.nblocks, logged
+
+
+def test_ranks_sharing_a_gpu_launch_the_bounded_grid_on_every_rank():
+    from launch import run_ranks
+
+    results = run_ranks(_shared_gpu_rank, 2, 5, env={"TRITON_INTERPRET": "1"}, timeout=180)
+    for nblocks, logged in results:
+        assert nblocks == 2  # 5 resident blocks, 2 ranks on the GPU
+        assert any("nblocks 4 -> 2" in line for line in logged)
