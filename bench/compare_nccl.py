@@ -44,6 +44,11 @@ GRAPH_BATCH = 20
 # Written as two_shot_min_bytes when two-shot never beat one-shot up to the
 # largest measured size (the policy reads an int, not null).
 NEVER = 2**63 - 1
+# Two-shot is chosen only where it beats one-shot by this factor: it has a
+# second barrier, so it loses more when cross-core latency rises (a busy
+# host; on the 2-core VM such phases made two-shot at 4 KiB 45% slower than
+# one-shot while it was 7% faster in quiet ones), and a small win does not pay for that.
+TWO_SHOT_MARGIN = 1.1
 # DeepSpeed's shm kernels need these x86 ISA levels (vector_kernel_level():
 # 1 = avx2, 2 = avx512bw); deepspeed/comm/torch.py falls back to the process
 # group below them, because the kernel would fault and its peers hang.
@@ -87,7 +92,9 @@ def parse_args(argv=None):
         epilog="Times are medians over --iters iterations of the slowest rank (per-iteration MAX over "
                "the group); JSON also has p10/p90. algbw = size/time, busbw = algbw*2(W-1)/W. The "
                "reference (torch.distributed.all_reduce) is in place, so speedup and the crossovers "
-               "compare it with our in-place time. Without torchrun (no RANK in the environment) "
+               "compare it with our in-place time. On CPU, %bound is the time of a copy with the least "
+               "memory traffic an all-reduce of that size needs (bound_copy_bytes: 2x the size at 2 ranks), "
+               "timed the same way in the same run, over the in-place time. Without torchrun (no RANK in the environment) "
                "the script starts --nproc ranks itself, with OMP_NUM_THREADS = cores/nproc unless set "
                "and, on CPU, each rank bound to its own share of the cores.")
     add_launch_arguments(p, nproc=2)
@@ -102,6 +109,9 @@ def parse_args(argv=None):
     p.add_argument("--backends", type=choice_list(("cpu", "cuda", "triton")), default=None,
                    help="comma list of pyallreduce backends (default: the device's native one)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement (default 20)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="consecutive runs of the whole table (rows say which); --write-crossovers then "
+                        "sums them, so one noisy run does not decide (default 1)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations before each loop (default 5)")
     p.add_argument("--max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES,
                    help=f"Communicator staging buffer size (default {DEFAULT_MAX_BYTES >> 20}M)")
@@ -119,6 +129,10 @@ def parse_args(argv=None):
     p.add_argument("--compare-deepspeed", action="store_true",
                    help="CPU only: also time DeepSpeed's shm all-reduce (torch.ops.deepspeed.inference_all_reduce_, "
                         "sum only, in place); deepspeed must be importable (e.g. PYTHONPATH)")
+    p.add_argument("--isa", choices=("native", "avx512", "avx2", "generic"), default="native",
+                   help="CPU: the vector ISA of our reduction kernels (PYALLREDUCE_CPU_ISA), and with "
+                        "--compare-deepspeed DeepSpeed's build too (avx2: -march=haswell), to measure an "
+                        "AVX2 machine's code on an AVX-512 one (default: the best this CPU has)")
     args = p.parse_args(argv)
     try:
         args.sizes = size_range(args.sizes, args.factor)
@@ -129,8 +143,8 @@ def parse_args(argv=None):
                                   or not {"one_shot", "two_shot"} <= set(args.algos)):
         p.error(f"--write-crossovers needs the {NATIVE_BACKEND[args.device]} backend and the one_shot and "
                 f"two_shot algos among those measured")
-    if args.iters < 1 or args.warmup < 0 or args.nproc < 1:
-        p.error("--iters must be >= 1, --warmup >= 0, --nproc >= 1")
+    if args.iters < 1 or args.warmup < 0 or args.nproc < 1 or args.repeat < 1:
+        p.error("--iters, --repeat must be >= 1, --warmup >= 0, --nproc >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     if args.compare_deepspeed and args.device != "cpu":
@@ -272,7 +286,7 @@ class DeepSpeedShm:
     """DeepSpeed's CPU shm all-reduce, set up as deepspeed/comm/torch.py does
     (ShareMemCommBuilder().load(), initialize(world, rank))."""
 
-    def __init__(self, rank, world):
+    def __init__(self, rank, world, isa):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["LOCAL_SIZE"] = str(world)  # DeepSpeed uses shm only when LOCAL_SIZE == world size
         try:
@@ -285,6 +299,12 @@ class DeepSpeedShm:
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
         if builder is None:
             raise SystemExit("--compare-deepspeed: DeepSpeed has no ShareMemCommBuilder for this accelerator")
+        if isa == "avx2":  # what its builder picks on an AVX2-only machine (op_builder/builder.py)
+            builder.name += "_avx2"
+            builder.cpu_arch = lambda: "-march=haswell"
+            builder.simd_width = lambda: "-D__AVX256__"
+        elif isa != "native":
+            raise SystemExit(f"--compare-deepspeed: no DeepSpeed build for --isa {isa}")
         # The first load JIT-compiles (minutes); rank 0 alone, since ranks
         # compiling into the same extension directory at once race.
         started = time.perf_counter()
@@ -344,6 +364,12 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         if key not in cache:
             cache[key] = with_bandwidth(timer(lambda: deepspeed(ds_work), nbytes), nbytes, world)
         ds = dict(cache[key], wrong=ds_wrong)
+    bound = None
+    if device.type == "cpu":
+        key = ("bound", nbytes)
+        if key not in cache:
+            cache[key] = measure_bound(nbytes, world, device, timer)
+        bound = cache[key]
 
     rows, total_wrong = [], 0
     # "auto" runs the table's policy, reference fallback included; a named
@@ -367,8 +393,37 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
             "algo": algo, "out_of_place": with_bandwidth(oop, nbytes, world),
             "in_place": with_bandwidth(ip, nbytes, world), "reference": ref,
             "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong, "deepspeed": ds,
+            "bound": bound, "pct_of_bound": 100 * bound["time_us"] / ip["time_us"] if bound else None,
         })
     return rows, total_wrong
+
+
+def bound_copy_bytes(nbytes, world):
+    """The least memory traffic per rank of an all-reduce of nbytes on `world`
+    ranks over shared memory, as the length of a copy (one read and one write
+    per byte) with the same traffic. Model: two-shot with no wasted pass; each
+    rank copies the W-1 slices of its input that peers reduce into shared
+    memory (its own slice it reads in place), reads the W sources of its own
+    slice, writes the result twice (to its output, and to shared memory for the
+    peers), and copies the other W-1 reduced slices to its output:
+        reads  S (W-1)/W + S + S (W-1)/W,   writes S (W-1)/W + 2 S/W + S (W-1)/W.
+    For W = 2 that is 2S read and 2S written: a copy of 2S. One-shot needs
+    more (every rank reads all W inputs); one rank is a copy of S."""
+    if world == 1:
+        return nbytes
+    share = (world - 1) / world
+    reads = nbytes * (2 * share + 1)
+    writes = nbytes * (2 * share + 2 / world)
+    return int(round((reads + writes) / 2))
+
+
+def measure_bound(nbytes, world, device, timer):
+    """The bandwidth bound of an all-reduce of nbytes: torch copy_ of
+    bound_copy_bytes on every rank at once, timed like the collective."""
+    n = bound_copy_bytes(nbytes, world)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return dict(timer(lambda: dst.copy_(src), n), copy_bytes=n)
 
 
 def measure_memcpy(nbytes, device, timer):
@@ -393,7 +448,8 @@ UNITS = (f"#{'(B)':>11}{'(elements)':>12}{'':>25}"
 def table_header(with_deepspeed):
     extra = f"{'deepspeed':>11}" if with_deepspeed else ""
     units = f"{'(us)':>11}" if with_deepspeed else ""
-    return f"{HEADER}{extra}\n{UNITS}{'':>16}{units}"
+    # %bound: the in-place time's share of the bandwidth bound (bound_copy_bytes), CPU only
+    return f"{HEADER}{extra}{'%bound':>8}\n{UNITS}{'':>16}{units}"
 
 
 def format_row(r, with_deepspeed):
@@ -405,6 +461,7 @@ def format_row(r, with_deepspeed):
     if with_deepspeed:
         ds = r["deepspeed"]
         line += f"{ds['time_us']:>11.1f}" if ds else f"{'n/a':>11}"
+    line += f"{r['pct_of_bound']:>8.0f}" if r.get("pct_of_bound") is not None else f"{'':>8}"
     return line
 
 
@@ -467,31 +524,39 @@ def plot(rows, path):
 # ---- crossovers ------------------------------------------------------------------------
 
 def derive_crossover(rows, backend):
-    """From the native backend's rows: in-place medians summed over the
-    measured dtypes and ops, per size. A crossover is the smallest size from
-    which the faster side wins at every larger measured size."""
-    totals = {}
+    """From the native backend's rows: per size and run, in-place medians
+    summed over the measured dtypes and ops; a side wins at a size when it is
+    faster in the median run (by time ratio, so one run in a slow phase of a
+    shared host does not decide; two-shot must win by TWO_SHOT_MARGIN). A
+    crossover is the smallest size from which that side wins at every larger
+    measured size."""
+    totals = {}  # size -> run -> summed times
     for r in rows:
         if r["backend"] != backend:
             continue
-        t = totals.setdefault(r["size"], {})
+        t = totals.setdefault(r["size"], {}).setdefault(r.get("run", 0), {})
         t[r["algo"]] = t.get(r["algo"], 0.0) + r["in_place"]["time_us"]
-        if r["algo"] == "one_shot":  # the reference once per (size, dtype, op)
+        if r["algo"] == "one_shot":  # the reference once per (size, dtype, op, run)
             t["reference"] = t.get("reference", 0.0) + r["reference"]["time_us"]
-    sizes = sorted(s for s, t in totals.items() if "one_shot" in t and "two_shot" in t)
+    sizes = sorted(s for s, runs in totals.items() if all("one_shot" in t and "two_shot" in t for t in runs.values()))
     if not sizes:
         raise ValueError(f"no size has both one_shot and two_shot rows of the {backend} backend")
 
-    def smallest_winning_tail(wins):
+    def median_ratio(size, ratio):
+        values = sorted(ratio(t) for t in totals[size].values())
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    def smallest_winning_tail(ratio, needed):
         start = None
         for s in reversed(sizes):
-            if not wins(totals[s]):
+            if median_ratio(s, ratio) <= needed:
                 break
             start = s
         return start
 
-    two_shot = smallest_winning_tail(lambda t: t["two_shot"] < t["one_shot"])
-    reference = smallest_winning_tail(lambda t: t["reference"] < min(t["one_shot"], t["two_shot"]))
+    two_shot = smallest_winning_tail(lambda t: t["one_shot"] / t["two_shot"], TWO_SHOT_MARGIN)
+    reference = smallest_winning_tail(lambda t: min(t["one_shot"], t["two_shot"]) / t["reference"], 1.0)
     return {"two_shot_min_bytes": NEVER if two_shot is None else two_shot,
             "reference_min_bytes": reference, "measured": True}
 
@@ -509,7 +574,7 @@ def run(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     kind = policy.device_kind(device)
     timer = Timer(args, device)
-    deepspeed = DeepSpeedShm(rank, world) if args.compare_deepspeed else None
+    deepspeed = DeepSpeedShm(rank, world, args.isa) if args.compare_deepspeed else None
     say = print if rank == 0 else (lambda *a, **k: None)
 
     machine = machine_description(device, world)
@@ -518,22 +583,25 @@ def run(args):
     if deepspeed:
         say(f"# DeepSpeed {deepspeed.version} shm all-reduce: vector_kernel_level {deepspeed.level}, "
             f"loaded in {deepspeed.load_s:.0f} s")
-    rows, wrong, cache = [], 0, {}
-    for backend in args.backends:
-        comm = pyallreduce.Communicator(device=device, backend=backend, max_bytes=args.max_bytes)
-        table = policy.lookup(kind, world, path=args.crossovers_file)
-        say(f"#\n# backend {backend}: {comm!r}\n# auto uses {table}")
-        say(table_header(deepspeed is not None))
-        for dtype_name in args.dtypes:
-            for op in args.ops:
-                for nbytes in args.sizes:
-                    found, n = measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache,
-                                            deepspeed)
-                    for r in found:
-                        say(format_row(r, deepspeed is not None), flush=True)
-                    rows += found
-                    wrong += n
-        comm.close()
+    rows, wrong = [], 0
+    for run_index in range(args.repeat):
+        cache = {}  # reference, DeepSpeed and bound timings: once per run
+        for backend in args.backends:
+            comm = pyallreduce.Communicator(device=device, backend=backend, max_bytes=args.max_bytes)
+            table = policy.lookup(kind, world, path=args.crossovers_file)
+            say(f"#\n# run {run_index + 1} of {args.repeat}, backend {backend}: {comm!r}\n# auto uses {table}")
+            say(table_header(deepspeed is not None))
+            for dtype_name in args.dtypes:
+                for op in args.ops:
+                    for nbytes in args.sizes:
+                        found, n = measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache,
+                                                deepspeed)
+                        for r in found:
+                            r["run"] = run_index
+                            say(format_row(r, deepspeed is not None), flush=True)
+                        rows += found
+                        wrong += n
+            comm.close()
 
     memcpy = measure_memcpy(max(args.sizes), device, timer)
     say(f"# memcpy (torch copy_ of {memcpy['bytes']} B, all ranks at once): {memcpy['time_us']:.1f} us, "
@@ -565,6 +633,8 @@ def run(args):
 
 def main():
     args = parse_args()
+    if args.isa != "native":  # before pyallreduce's kernels first run; the spawned ranks inherit it
+        os.environ["PYALLREDUCE_CPU_ISA"] = args.isa
     if not under_torchrun():
         return spawn_ranks(__file__, args.nproc, bind_cores=args.device == "cpu")
     return run(args)

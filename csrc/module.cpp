@@ -367,6 +367,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("agree", &agree, py::arg("handle"), py::arg("dtype"), py::arg("nbytes"), py::arg("mode"),
         py::arg("average"), py::arg("in_place"), py::call_guard<py::gil_scoped_release>());
   bind_shm(m);
+  m.def("cpu_isa", &host_isa, "the vector ISA of the CPU backend's reductions: avx512, avx2 or generic");
 #ifdef PYALLREDUCE_WITH_CUDA
   bind_cuda_ipc(m);
   // Here, not in ipc.cu: returning tensors needs torch's pybind casters, which nvcc does not compile.

@@ -2,12 +2,13 @@
 crossovers bench/compare_nccl.py measures and writes to crossovers.json
 (`python bench/compare_nccl.py ... --write-crossovers`).
 
-The table is keyed by device kind ("cpu", or "cuda:<GPU name>") and world size;
-a missing world size uses the kind's "default" row, a missing kind the
-top-level "default" row.
+The table is keyed by device kind (policy.device_kind: "cpu:<model>:<ISA>",
+"cuda:<GPU name>", or a family "cpu", "cuda" that serves kinds without a row)
+and world size; see lookup() for the fallbacks.
 """
 import functools
 import json
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -31,10 +32,27 @@ class Crossover:
 
 
 def device_kind(device):
+    """"cuda:<GPU name>", or "cpu:<CPU model>:<vector ISA the kernels use>":
+    machine types whose crossovers differ get their own rows."""
     device = torch.device(device)
     if device.type == "cuda":
         return "cuda:" + torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        from . import _C
+
+        return f"cpu:{cpu_model()}:{_C.cpu_isa()}"
     return device.type
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,9 +61,11 @@ def _table(path=CROSSOVERS_FILE):
 
 
 def lookup(kind, world_size, path=CROSSOVERS_FILE):
+    """The row for this kind and world size; else the kind's family ("cpu",
+    "cuda") for this world size; else their "default" rows; else the table's."""
     table = _table(path)
-    rows = table.get(kind) or table.get(kind.split(":")[0]) or {}
-    row = rows.get(str(world_size)) or rows.get("default") or table["default"]
+    own, family, ws = table.get(kind, {}), table.get(kind.split(":")[0], {}), str(world_size)
+    row = own.get(ws) or family.get(ws) or own.get("default") or family.get("default") or table["default"]
     return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), bool(row.get("measured", False)))
 
 

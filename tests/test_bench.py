@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import pyallreduce
 from pyallreduce import policy
 
 import bench_scripts
@@ -19,7 +20,7 @@ TIMEOUT_S = 120  # a loaded 2-core CI box; the run itself takes ~20 s
 SIZES = [4 << 10, 32 << 10, 256 << 10]
 STATS = {"time_us", "p10_us", "p90_us", "algbw", "busbw"}
 ROW = {"backend", "size", "count", "type", "redop", "algo", "out_of_place", "in_place", "reference",
-       "speedup", "wrong", "deepspeed"}
+       "speedup", "wrong", "deepspeed", "bound", "pct_of_bound", "run"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -29,7 +30,7 @@ def test_cpu_run_json_and_crossovers(tmp_path):
     real_table = policy.CROSSOVERS_FILE.read_bytes()
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--nproc", "2", "--sizes", "4K:256K", "--factor", "8",
-           "--dtypes", "float32,bfloat16", "--ops", "sum,avg", "--iters", "3", "--warmup", "1",
+           "--dtypes", "float32,bfloat16", "--ops", "sum,avg", "--iters", "3", "--warmup", "1", "--repeat", "2",
            "--json", str(out), "--write-crossovers", "--crossovers-file", str(table)]
     proc = bench_scripts.run_script(cmd, TIMEOUT_S)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -37,13 +38,16 @@ def test_cpu_run_json_and_crossovers(tmp_path):
 
     report = json.loads(out.read_text())
     machine = report["machine"]
-    assert machine["world_size"] == 2 and machine["device_kind"] == "cpu"
+    kind = policy.device_kind("cpu")
+    assert machine["world_size"] == 2 and machine["device_kind"] == kind
+    assert kind == f"cpu:{policy.cpu_model()}:{pyallreduce._C.cpu_isa()}"
     assert machine["cpu"] and machine["cores"] >= 1 and machine["torch"] and machine["date"]
     assert report["memcpy"]["bytes"] == max(SIZES) and report["memcpy"]["gbps"] > 0
 
     rows = report["rows"]
-    combos = {(r["size"], r["type"], r["redop"], r["algo"]) for r in rows}
-    assert len(rows) == len(combos) == len(SIZES) * 2 * 2 * 3
+    combos = {(r["run"], r["size"], r["type"], r["redop"], r["algo"]) for r in rows}
+    assert len(rows) == len(combos) == 2 * len(SIZES) * 2 * 2 * 3  # runs x sizes x dtypes x ops x algos
+    assert {r["run"] for r in rows} == {0, 1}
     assert {r["size"] for r in rows} == set(SIZES)
     for r in rows:
         assert set(r) == ROW, r
@@ -55,15 +59,18 @@ def test_cpu_run_json_and_crossovers(tmp_path):
             assert 0 < stats["p10_us"] <= stats["time_us"] <= stats["p90_us"], (part, stats)
             assert stats["busbw"] == pytest.approx(stats["algbw"])  # 2(W-1)/W == 1 for W = 2
         assert r["speedup"] == pytest.approx(r["reference"]["time_us"] / r["in_place"]["time_us"])
+        # The bound: a copy of twice the size at 2 ranks (bench.bound_copy_bytes), timed in the same run.
+        assert r["bound"]["copy_bytes"] == 2 * r["size"] and r["bound"]["time_us"] > 0
+        assert r["pct_of_bound"] == pytest.approx(100 * r["bound"]["time_us"] / r["in_place"]["time_us"])
 
     written = json.loads(table.read_text())
     original = json.loads(real_table)
     assert policy.CROSSOVERS_FILE.read_bytes() == real_table, "the real table must not be touched"
-    others = {k: v for k, v in original.items() if k != "cpu"}
-    assert {k: v for k, v in written.items() if k != "cpu"} == others  # other kinds kept
-    assert {k: v for k, v in written["cpu"].items() if k != "2"} == {k: v for k, v in original["cpu"].items()
-                                                                      if k != "2"}
-    crossover = policy.lookup("cpu", 2, path=table)
+    others = {k: v for k, v in original.items() if k != kind}
+    assert {k: v for k, v in written.items() if k != kind} == others  # other kinds kept
+    assert {k: v for k, v in written[kind].items() if k != "2"} == {k: v for k, v in original.get(kind, {}).items()
+                                                                     if k != "2"}
+    crossover = policy.lookup(kind, 2, path=table)
     assert crossover.measured
     assert crossover.two_shot_min_bytes in SIZES + [bench_scripts.load("compare_nccl").NEVER]
     assert crossover.reference_min_bytes is None or crossover.reference_min_bytes in SIZES
@@ -134,6 +141,21 @@ def test_crossover_is_the_start_of_the_winning_tail():
     rows = [row(s, "one_shot", one[s], ref[s]) for s in one] + [row(s, "two_shot", two[s], ref[s]) for s in two]
     got = bench.derive_crossover(rows, "cpu")
     assert got == {"two_shot_min_bytes": 8192, "reference_min_bytes": 16384, "measured": True}
+
+    # A two-shot win within TWO_SHOT_MARGIN does not count: one-shot keeps 8K.
+    close = {**two, 8192: 50 / bench.TWO_SHOT_MARGIN + 0.5}
+    rows = [row(s, "one_shot", one[s], ref[s]) for s in one] + [row(s, "two_shot", close[s], ref[s]) for s in close]
+    assert bench.derive_crossover(rows, "cpu")["two_shot_min_bytes"] == 16384
+
+    # Three runs, one of them in a slow phase where one-shot wins everywhere by far:
+    # the median run decides, not the slow run's large absolute times.
+    runs = []
+    for run, scale in enumerate((1, 1, 10)):
+        slow_two = {s: two[s] * (3 if scale > 1 else 1) for s in two}
+        for s in one:
+            runs += [dict(row(s, "one_shot", one[s] * scale, ref[s] * scale), run=run),
+                     dict(row(s, "two_shot", slow_two[s] * scale, ref[s] * scale), run=run)]
+    assert bench.derive_crossover(runs, "cpu")["two_shot_min_bytes"] == 8192
 
     never = [row(s, "one_shot", 1, 100) for s in one] + [row(s, "two_shot", 2, 100) for s in one]
     got = bench.derive_crossover(never, "cpu")

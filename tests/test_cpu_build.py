@@ -1,7 +1,7 @@
-"""The CPU reduction is vectorised: each target clone of the fp32 reduction holds
-vector instructions of its width (a loop left out of line would hold SSE2 code
-only, whatever the CPU), and the fp16/bf16 kernels convert 8 lanes at a time
-(GCC leaves _Float16 conversions scalar, ~20x slower per byte)."""
+"""The CPU reduction is vectorised: each ISA's fp32 kernel holds vector
+instructions of its width (a loop left out of line would hold SSE2 code only,
+whatever the CPU), and the fp16/bf16 kernels convert 8 lanes at a time (GCC
+leaves _Float16 conversions scalar, ~20x slower per byte)."""
 import re
 import shutil
 import subprocess
@@ -12,8 +12,8 @@ import pyallreduce._C as C
 
 # function (as objdump -C prints it, up to the opening parenthesis) -> instructions its body must hold
 VECTORISED = {
-    "reduce_f32(float const* const*, int, float*, float*, long, bool) [clone .arch_skylake_avx512]": ("ymm",),
-    "reduce_f32(float const* const*, int, float*, float*, long, bool) [clone .arch_haswell]": ("ymm",),
+    "reduce_f32_avx512(": ("vaddps", "%zmm", "vmovups %zmm"),
+    "reduce_f32_avx2(": ("vaddps", "%ymm", "vmovups %ymm"),
     "reduce_f16_f16c(": ("vcvtph2ps %xmm", "vcvtps2ph $0x", "ymm"),
     "reduce_bf16_avx2(": ("vpmovzxwd", "vpackusdw", "ymm"),
 }

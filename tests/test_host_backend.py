@@ -118,6 +118,47 @@ def average_and_random(rank, world):
     return torch.cat([r.float() for r in results])
 
 
+def cpu_isas():
+    """The ISA levels of the reduction kernels this CPU can run (PYALLREDUCE_CPU_ISA)."""
+    import subprocess
+    import sys
+
+    best = subprocess.run([sys.executable, "-c", "import pyallreduce._C as C; print(C.cpu_isa())"],
+                          capture_output=True, text=True, check=True, env=clean_isa_env()).stdout.strip()
+    levels = ["generic", "avx2", "avx512"]
+    return levels[:levels.index(best) + 1]
+
+
+def clean_isa_env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYALLREDUCE_CPU_ISA"}
+
+
+def isa_and_exact_sums(rank, world, isa):
+    import pyallreduce._C as C
+
+    assert C.cpu_isa() == isa
+    check_exact_sums(rank, world)
+    # Averages and random floats: the same bits as the fp32 rank-order definition.
+    average_and_random(rank, world)
+
+
+@pytest.mark.parametrize("isa", cpu_isas())
+def test_every_isa_kernel_gives_the_same_exact_bits(isa):
+    run_ranks(isa_and_exact_sums, 3, isa, env={"PYALLREDUCE_CPU_ISA": isa}, timeout=240)
+
+
+def refuse_isa(rank, world):
+    with pytest.raises(RuntimeError, match="PYALLREDUCE_CPU_ISA=sse9: this CPU supports up to"):
+        with make_comm() as comm:
+            comm.all_reduce(torch.ones(8))
+
+
+def test_an_unknown_isa_is_refused_with_the_choices():
+    run_ranks(refuse_isa, 2, env={"PYALLREDUCE_CPU_ISA": "sse9"}, timeout=60)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_random_inputs_bitwise_identical_on_all_ranks(world):
     outs = run_ranks(average_and_random, world, timeout=180)

@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -242,11 +243,82 @@ template <typename T>
   reduce_tiles(from, world, dst + begin, dst2 != nullptr ? dst2 + begin : nullptr, n - begin, average);
 }
 
-#define PYALLREDUCE_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-PYALLREDUCE_CLONES void reduce_f32(const float* const* s, int w, float* d, float* d2, int64_t n, bool avg) {
+// The vector ISA the reduction kernels use: the best this CPU has, or a lower
+// one named by PYALLREDUCE_CPU_ISA (avx512, avx2, generic), which is how the
+// AVX2 kernels are measured on an AVX-512 machine (bench/compare_nccl.py).
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"generic", "avx2", "avx512"};
+
+Isa detect_isa() {
+  const Isa best = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? Isa::kAvx512
+                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")      ? Isa::kAvx2
+                                                                                           : Isa::kGeneric;
+  const char* asked = std::getenv("PYALLREDUCE_CPU_ISA");
+  if (asked == nullptr || *asked == '\0') return best;
+  for (int level = 0; level <= static_cast<int>(best); ++level) {
+    if (std::strcmp(asked, kIsaNames[level]) == 0) return static_cast<Isa>(level);
+  }
+  TORCH_CHECK(false, "pyallreduce: PYALLREDUCE_CPU_ISA=", asked, ": this CPU supports up to ",
+              kIsaNames[static_cast<int>(best)], " (one of generic, avx2, avx512 at most that)");
+}
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+// fp32 without AVX2: plain conversions (the compiler vectorises with SSE2).
+void reduce_f32_generic(const float* const* s, int w, float* d, float* d2, int64_t n, bool avg) {
   reduce_tiles(s, w, d, d2, n, avg);
 }
-#undef PYALLREDUCE_CLONES
+
+// fp32, 4 vectors of 8 (AVX2) or 16 (AVX-512) lanes per step, the sum in
+// registers: loads of every source, adds in rank order, one store (two with
+// d2). Each vector's W loads come before its store, so d may be one of the
+// sources (in place). reduce_tiles' L1 accumulator tile cost four extra L1
+// passes per element, which made the reduction, not the memory, the limit.
+#define PYALLREDUCE_REDUCE_F32(NAME, TARGET, VEC, LANES, LOAD, STORE, ADD, DIV, SET1)                    \
+  __attribute__((target(TARGET))) void NAME(const float* const* s, int w, float* d, float* d2, int64_t n, \
+                                            bool avg) {                                                  \
+    const VEC wv = SET1(static_cast<float>(w));                                                          \
+    int64_t i = 0;                                                                                       \
+    for (; i + 4 * (LANES) <= n; i += 4 * (LANES)) {                                                     \
+      VEC a0 = LOAD(s[0] + i), a1 = LOAD(s[0] + i + (LANES)), a2 = LOAD(s[0] + i + 2 * (LANES)),         \
+          a3 = LOAD(s[0] + i + 3 * (LANES));                                                             \
+      for (int q = 1; q < w; ++q) {                                                                      \
+        a0 = ADD(a0, LOAD(s[q] + i));                                                                    \
+        a1 = ADD(a1, LOAD(s[q] + i + (LANES)));                                                          \
+        a2 = ADD(a2, LOAD(s[q] + i + 2 * (LANES)));                                                      \
+        a3 = ADD(a3, LOAD(s[q] + i + 3 * (LANES)));                                                      \
+      }                                                                                                  \
+      if (avg) {                                                                                         \
+        a0 = DIV(a0, wv), a1 = DIV(a1, wv), a2 = DIV(a2, wv), a3 = DIV(a3, wv);                          \
+      }                                                                                                  \
+      STORE(d + i, a0), STORE(d + i + (LANES), a1), STORE(d + i + 2 * (LANES), a2),                      \
+          STORE(d + i + 3 * (LANES), a3);                                                                \
+      if (d2 != nullptr) {                                                                               \
+        STORE(d2 + i, a0), STORE(d2 + i + (LANES), a1), STORE(d2 + i + 2 * (LANES), a2),                 \
+            STORE(d2 + i + 3 * (LANES), a3);                                                             \
+      }                                                                                                  \
+    }                                                                                                    \
+    if (i < n) reduce_tail(s, w, d, d2, i, n, avg);                                                      \
+  }
+PYALLREDUCE_REDUCE_F32(reduce_f32_avx2, "avx2", __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_add_ps,
+                       _mm256_div_ps, _mm256_set1_ps)
+PYALLREDUCE_REDUCE_F32(reduce_f32_avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps,
+                       _mm512_add_ps, _mm512_div_ps, _mm512_set1_ps)
+#undef PYALLREDUCE_REDUCE_F32
+
+void reduce_f32(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {
+  const auto* src = reinterpret_cast<const float* const*>(s);
+  auto* dst = reinterpret_cast<float*>(d);
+  auto* dst2 = reinterpret_cast<float*>(d2);
+  switch (cpu_isa()) {
+    case Isa::kAvx512: return reduce_f32_avx512(src, w, dst, dst2, n, avg);
+    case Isa::kAvx2: return reduce_f32_avx2(src, w, dst, dst2, n, avg);
+    default: return reduce_f32_generic(src, w, dst, dst2, n, avg);
+  }
+}
 
 // bf16 and fp16 without AVX2 (and F16C): plain conversions.
 void reduce_bf16_generic(const Bf16* const* s, int w, Bf16* d, Bf16* d2, int64_t n, bool avg) {
@@ -313,8 +385,7 @@ __attribute__((target("avx2"))) void reduce_bf16_avx2(const uint16_t* const* s, 
 }
 
 void reduce_bf16(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) {
+  if (cpu_isa() >= Isa::kAvx2) {
     reduce_bf16_avx2(reinterpret_cast<const uint16_t* const*>(s), w, reinterpret_cast<uint16_t*>(d),
                      reinterpret_cast<uint16_t*>(d2), n, avg);
   } else {
@@ -324,8 +395,7 @@ void reduce_bf16(const char* const* s, int w, char* d, char* d2, int64_t n, bool
 }
 
 void reduce_f16(const char* const* s, int w, char* d, char* d2, int64_t n, bool avg) {
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (f16c) {
+  if (cpu_isa() >= Isa::kAvx2) {
     reduce_f16_f16c(reinterpret_cast<const uint16_t* const*>(s), w, reinterpret_cast<uint16_t*>(d),
                     reinterpret_cast<uint16_t*>(d2), n, avg);
   } else {
@@ -346,8 +416,7 @@ void reduce_range(at::ScalarType dtype, char* const* srcs, int world, char* dst,
   if (dst2 != nullptr) dst2 += begin;
   switch (dtype) {
     case at::kFloat:
-      return reduce_f32(reinterpret_cast<const float* const*>(s), world, reinterpret_cast<float*>(dst),
-                        reinterpret_cast<float*>(dst2), n, average);
+      return reduce_f32(s, world, dst, dst2, n, average);
     case at::kHalf:
       return reduce_f16(s, world, dst, dst2, n, average);
     case at::kBFloat16:
@@ -384,10 +453,9 @@ RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, c
   for (int q = 0; q < world; ++q) bufs[q] = ctx.regions[q] + staging;
   char* own = bufs[ctx.rank];
 
-  parallel_copy(own, src, bytes);
-  waits.contended = start_call(ctx, call, algo == kTwoShot, &waits.long_start);
-
   if (algo == kOneShot) {
+    parallel_copy(own, src, bytes);
+    waits.contended = start_call(ctx, call, false, &waits.long_start);
     at::parallel_for(0, bytes / elem, kParallelGrainBytes / elem, [&](int64_t b, int64_t end) {
       reduce_range(dtype, bufs, world, dst, nullptr, b * elem, end * elem, average);
     });
@@ -405,8 +473,18 @@ RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, c
     at::parallel_for(slice_begin(q) / elem, slice_begin(q + 1) / elem, kParallelGrainBytes / elem,
                      [&](int64_t b, int64_t end) { body(b * elem, end * elem); });
   };
+  // Only the peers' slices of the input go to the staging buffer: this rank
+  // alone reads its own slice, from the input itself (in place too: each tile
+  // is read before its result is stored). A copy of S / W fewer per round.
+  const int64_t own_begin = slice_begin(ctx.rank), own_end = slice_begin(ctx.rank + 1);
+  parallel_copy(own, src, own_begin);
+  parallel_copy(own + own_end, src + own_end, bytes - own_end);
+  waits.contended = start_call(ctx, call, true, &waits.long_start);
+  char* sources[kMaxRanks];
+  std::copy(bufs, bufs + world, sources);
+  sources[ctx.rank] = const_cast<char*>(src);
   for_slice(ctx.rank, [&](int64_t b, int64_t end) {
-    reduce_range(dtype, bufs, world, dst, own, b, end, average);
+    reduce_range(dtype, sources, world, dst, own, b, end, average);
   });
   signal_peers(ctx, {kMidFlagsOffset}, e);
   waits.long_mid = wait_reached(ctx, kMidFlagsOffset, e, "mid");
@@ -456,6 +534,9 @@ void host_agree(Context& ctx, CallDesc desc) {
 }
 
 }  // namespace
+
+const char* host_isa() { return kIsaNames[static_cast<int>(cpu_isa())]; }
+
 }  // namespace pyallreduce
 
 PYALLREDUCE_REGISTER_BACKEND(CPU, ::pyallreduce::host_all_reduce)
