@@ -111,7 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement (default 20)")
     p.add_argument("--repeat", type=int, default=1,
                    help="consecutive runs of the whole table (rows say which); --write-crossovers then "
-                        "sums them, so one noisy run does not decide (default 1)")
+                        "takes, per size, the median over the runs of the time ratio, so one noisy run "
+                        "does not decide (default 1)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations before each loop (default 5)")
     p.add_argument("--max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES,
                    help=f"Communicator staging buffer size (default {DEFAULT_MAX_BYTES >> 20}M)")

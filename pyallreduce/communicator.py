@@ -105,10 +105,11 @@ class Communicator:
         self.timeout_s = _timeout_seconds(timeout)
         self.debug = bool(int(os.environ.get(DEBUG_ENV, "0"))) if debug is None else bool(debug)
         self.nblocks = self._resolve_nblocks(nblocks)
-        self.crossover = policy.lookup(policy.device_kind(self.device), self.world_size)
+        self.crossover = None  # set by _unsupported_group_reason: the same row on every rank
         self._calls = 0
         self._capturing = False
         self._broken_reason = None  # the Triton path's; the C++ context keeps its own
+        self._last_stream, self._launched = None, None  # the Triton path's launch order on GPU
         self._transport = None
         self._handle = None
         self._closed = False
@@ -170,13 +171,25 @@ class Communicator:
         when the ranks asked for different settings: a different nblocks makes
         blocks wait for peers that never come, a different max_bytes makes
         odd-epoch reads run past a smaller peer's region. Lowers nblocks on
-        every rank alike when ranks share a GPU (policy.resident_nblocks)."""
-        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks, self._gpu_capacity())
+        every rank alike when ranks share a GPU (policy.resident_nblocks), and
+        takes rank 0's crossover row on every rank (a rank whose kind differs,
+        e.g. another PYALLREDUCE_CPU_ISA, would otherwise pick other algorithms)."""
+        kind, kind_error = None, None
+        try:
+            kind = policy.device_kind(self.device)
+        except RuntimeError as e:  # raised below on every rank, not here on this one alone
+            kind_error = str(e)
+        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks, self._gpu_capacity(),
+                kind, kind_error)
         every = [None] * self.world_size
         dist.all_gather_object(every, mine, group=self.group)
+        failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
+        if failed:
+            raise RuntimeError("pyallreduce: " + "; ".join(failed))
+        self.crossover = policy.lookup(every[0][6], self.world_size)
         if len({e[1:5] for e in every}) > 1:
-            rows = "\n".join(f"  rank {q}: backend={b!r}, device={d}, max_bytes={m}, nblocks={n}"
-                             for q, (_, b, d, m, n, _) in enumerate(every))
+            rows = "\n".join(f"  rank {q}: backend={e[1]!r}, device={e[2]}, max_bytes={e[3]}, nblocks={e[4]}"
+                             for q, e in enumerate(every))
             raise ValueError("pyallreduce: the ranks created this Communicator with different settings; "
                              f"every rank must pass the same backend, device type, max_bytes and nblocks:\n{rows}")
         hosts = [e[0] for e in every]
@@ -471,7 +484,7 @@ class Communicator:
                 # transport drops them with the registered buffers, after every rank
                 # has unmapped them (or never, without sync).
                 synchronize_quietly(self.device)
-                transport.keep(_C.cuda_clear_buffers(self._handle) or [])
+                transport.keep(_C.cuda_clear_buffers(self._handle))
         finally:
             try:
                 if self._handle is not None:
@@ -637,13 +650,27 @@ class Communicator:
         if self._broken_reason is not None:
             raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
                                f"({self._broken_reason}); close() it and create a new Communicator on every rank")
+        # On GPU, each launch runs after the previous one whatever stream each is on
+        # (csrc/cuda/call_plan.h LaunchOrder: two kernels of one communicator at once
+        # race on its epochs); captured launches are not chained, as there.
+        stream = None
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None and self._last_stream != stream:
+                stream.wait_event(self._launched)
         try:
-            return fn(*args)
+            result = fn(*args)
         except triton_kernels.CallMismatch as e:
             raise RuntimeError(str(e)) from None
         except RuntimeError as e:
             self._broken_reason = str(e).split("\n", 1)[0]  # epochs are out of step across ranks now
             raise
+        finally:
+            if stream is not None:
+                self._launched = self._launched or torch.cuda.Event()
+                self._launched.record(stream)
+                self._last_stream = stream
+        return result
 
     def _run(self, src, dst, algo_id, average):
         self._calls += 1

@@ -139,7 +139,7 @@ class FakeCuda:
         self.events = []
         self.mapped = {}  # address here -> (rank, alloc) mapped there
         self.table = set()  # the kernels' registration table
-        self.clear_returns = None  # what cuda_clear_buffers returns
+        self.clear_returns = []  # what cuda_clear_buffers returns
         self._next = 1 << 44
 
     def region_bytes(self, max_bytes):
@@ -187,7 +187,7 @@ class FakeCuda:
     def cuda_clear_buffers(self, handle):
         self.events.append(("clear",))
         self.table = set()
-        returned, self.clear_returns = self.clear_returns, None  # the C++ table's references go to the caller
+        returned, self.clear_returns = self.clear_returns, []  # the C++ table's references go to the caller
         return returned
 
     def destroy_context(self, handle):
@@ -384,7 +384,7 @@ def close_communicator(rank, world, fake, cuda_ipc, how, clear_returns_tensors):
     comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
     captured = FakeCudaTensor(memory(rank, 1), 256)  # a captured call's input with a zero-copy graph entry
     alive = weakref.ref(captured)
-    fake.clear_returns = [captured] if clear_returns_tensors else None
+    fake.clear_returns = [captured] if clear_returns_tensors else []
     del captured
     fake.events.clear()
     real_gather = cuda_ipc.gather
@@ -405,7 +405,7 @@ def close_communicator(rank, world, fake, cuda_ipc, how, clear_returns_tensors):
     return fake.events, alive() is not None, [(own, len(ts)) for _, own, ts in cuda_ipc._parked]
 
 
-@pytest.mark.parametrize("clear_returns_tensors", [True, False], ids=["clear_returns_tensors", "clear_returns_none"])
+@pytest.mark.parametrize("clear_returns_tensors", [True, False], ids=["clear_returns_tensors", "clear_returns_nothing"])
 @pytest.mark.parametrize("how", ["close", "exception"])
 def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how, clear_returns_tensors):
     results = run_ranks(close_communicator, 2, how, clear_returns_tensors, timeout=TIMEOUT)

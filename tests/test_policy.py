@@ -62,3 +62,39 @@ def test_ranks_sharing_a_gpu_launch_the_bounded_grid_on_every_rank():
     for nblocks, logged in results:
         assert nblocks == 2  # 5 resident blocks, 2 ranks on the GPU
         assert any("nblocks 4 -> 2" in line for line in logged)
+
+
+def test_crossover_rows_fall_back_from_kind_to_family_to_defaults(tmp_path):
+    import json
+
+    from pyallreduce import policy
+
+    def row(two_shot):
+        return {"two_shot_min_bytes": two_shot, "reference_min_bytes": None, "measured": True}
+
+    table = tmp_path / "crossovers.json"
+    table.write_text(json.dumps({
+        "default": row(1),
+        "cpu": {"default": row(2), "2": row(3)},
+        "cpu:Some CPU:avx2": {"default": row(4), "4": row(5)},
+    }))
+    policy._table.cache_clear()
+    try:
+        def two_shot(kind, world):
+            return policy.lookup(kind, world, path=table).two_shot_min_bytes
+
+        assert two_shot("cpu:Some CPU:avx2", 4) == 5  # the kind's own row
+        assert two_shot("cpu:Some CPU:avx2", 2) == 3  # the family's row for this world size
+        assert two_shot("cpu:Some CPU:avx2", 8) == 4  # the kind's default
+        assert two_shot("cpu:Other CPU:avx512", 8) == 2  # an unknown kind: the family's default
+        assert two_shot("cuda:Some GPU", 8) == 1  # no family row either: the table's default
+    finally:
+        policy._table.cache_clear()
+
+
+def test_cpu_device_kind_names_model_and_isa():
+    import pyallreduce._C as C
+    from pyallreduce import policy
+
+    assert policy.device_kind("cpu") == f"cpu:{policy.cpu_model()}:{C.cpu_isa()}"
+    assert C.cpu_isa() in ("generic", "avx2", "avx512")

@@ -191,9 +191,8 @@ uint32_t next_epoch(Context& ctx) { return ++*(flags(ctx.own_region(), kEpochOff
 
 // dst[i] = cast(sum over q in order 0..W-1 of float(src[q][i])) (/ W), i in [0, n),
 // also stored to dst2 unless it is null. Fixed order and fp32 accumulation make
-// every rank's bits identical. The loops are plain so the compiler vectorises
-// them; always_inline puts them inside each target clone below (AVX-512, AVX2,
-// SSE2) instead of one out-of-line SSE2 copy.
+// every rank's bits identical. The generic kernels (no AVX2) and the scalar
+// tails of the vector kernels below; always_inline puts it inside each of them.
 template <typename T>
 [[gnu::always_inline]] inline void reduce_tiles(const T* const* src, int world, T* dst, T* dst2,
                                                 int64_t n, bool average) {

@@ -81,7 +81,8 @@ struct GraphTable {
   // is zero copy, and the graph's pool may free it when the graph goes: it is
   // kept until close() hands it to the transport, which drops it only after
   // every peer has unmapped it (a reference, no copy; no CUDA call: legal
-  // during a capture).
+  // during a capture). An entry that stayed staged lets its input go at the
+  // next capture (peers never mapped it).
   std::vector<at::Tensor> kept;
   bool open = false;                // inside comm.capture()
   std::vector<CapturedCall> captured;
@@ -385,6 +386,9 @@ void graph_capture_begin(int64_t handle, int64_t block_entries) {
     graph.in_place.resize(graph.blocks.size() * block_entries, 0);
     graph.kept.resize(graph.blocks.size() * block_entries);
   }
+  for (int64_t slot = 0; slot < graph.next_slot; ++slot) {
+    if (graph.host_entry(slot).mode == cuda::kStaged) graph.kept[slot] = at::Tensor();
+  }
   graph.open = true;
   graph.captured.clear();
   graph.calls_without_entry = 0;
@@ -437,6 +441,7 @@ void graph_reset_entries(int64_t handle, const std::vector<int64_t>& slots) {
   for (int64_t slot : slots) {
     if (slot < 0 || slot >= graph.next_slot) continue;
     graph.host_entry(slot) = cuda::GraphEntry{};
+    graph.kept[slot] = at::Tensor();
     valid.push_back(slot);
   }
   upload_entries(graph, valid);
