@@ -95,7 +95,7 @@ bool calls_agree(const CallDesc& mine, const CallDesc* descs, int world_size) {
 
 namespace {
 std::string describe_call(const CallDesc& d, uint32_t epoch) {
-  static const char* const kAlgos[] = {"one_shot", "two_shot", "agreement only"};
+  static const char* const kAlgos[] = {"one_shot", "two_shot", "agreement only", "reduce_scatter", "all_gather"};
   static const char* const kModes[] = {"staged", "zero-copy", "zero-copy in place",
                                        "torch.distributed fallback"};
   const uint32_t dtype = d.kind & 0xFFu, algo = (d.kind >> 8) & 0xFFu, mode = (d.kind >> 16) & 0xFFu;
@@ -103,7 +103,7 @@ std::string describe_call(const CallDesc& d, uint32_t epoch) {
   s << d.bytes << " bytes, "
     << (dtype < static_cast<uint32_t>(at::ScalarType::NumOptions)
             ? c10::toString(static_cast<at::ScalarType>(dtype)) : "dtype ?")
-    << ", " << (d.kind >> 24 & 1u ? "avg" : "sum") << ", " << (algo < 3 ? kAlgos[algo] : "algo ?")
+    << ", " << (d.kind >> 24 & 1u ? "avg" : "sum") << ", " << (algo < 5 ? kAlgos[algo] : "algo ?")
     << ", " << (mode < 4 ? kModes[mode] : "mode ?") << ", " << (d.kind >> 25 & 1u ? "in place" : "out of place");
   if (d.epoch != epoch) s << " (protocol epoch " << d.epoch << ", expected " << epoch << ")";
   return s.str();
@@ -122,40 +122,76 @@ std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs
 
 // ---- argument checks --------------------------------------------------------
 
+namespace {
+// Whether `part` is exactly segment `rank` of `whole`: the one overlap
+// reduce-scatter and all-gather accept (protocol.h).
+bool is_own_segment(const at::Tensor& part, const at::Tensor& whole, int rank) {
+  return static_cast<const char*>(part.data_ptr()) ==
+         static_cast<const char*>(whole.data_ptr()) + rank * static_cast<int64_t>(part.nbytes());
+}
+}  // namespace
+
 // Why input/out cannot go to a kernel as they are, or "" if they can.
-std::string collective_args_problem(const Context& ctx, const at::Tensor& input, const at::Tensor& out) {
+std::string collective_args_problem(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
+                                    int64_t algo) {
   const auto dtype = input.scalar_type();
-  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
+  // all-gather copies bytes: any dtype; the reductions sum these three.
+  if (algo != kAllGather && dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
     return c10::str("pyallreduce: dtype ", dtype, " is not supported (float32, float16, bfloat16)");
   }
   if (!input.is_contiguous() || !out.is_contiguous()) {
-    return "pyallreduce: the op needs contiguous tensors (Communicator.all_reduce handles others)";
+    return "pyallreduce: the op needs contiguous tensors (Communicator handles others)";
   }
-  if (out.scalar_type() != dtype || out.numel() != input.numel()) {
-    return "pyallreduce: out must have the input's dtype and numel";
+  // The per-rank segment (protocol.h S) and the tensor that holds W of them.
+  const bool scatters = algo == kReduceScatter, gathers = algo == kAllGather;
+  const at::Tensor& segment = scatters ? out : input;
+  const at::Tensor& whole = scatters ? input : out;
+  const bool segmented = scatters || gathers;
+  const int64_t parts = segmented ? ctx.world_size : 1;
+  if (out.scalar_type() != dtype || whole.numel() != parts * segment.numel()) {
+    if (!segmented) return "pyallreduce: out must have the input's dtype and numel";
+    return c10::str("pyallreduce: ", scatters ? "reduce_scatter" : "all_gather", " needs one dtype and ",
+                    scatters ? "input" : "out", ".numel() == world size (", ctx.world_size, ") x ",
+                    scatters ? "out" : "input", ".numel()");
   }
   if (input.device() != out.device()) return "pyallreduce: input and out on different devices";
+  const auto elem = static_cast<uintptr_t>(input.element_size());
+  if (reinterpret_cast<uintptr_t>(input.data_ptr()) % elem || reinterpret_cast<uintptr_t>(out.data_ptr()) % elem) {
+    return "pyallreduce: tensors must be aligned to their element size; pass a .clone() of this view";
+  }
   if (input.is_cuda() != ctx.is_cuda || (ctx.is_cuda && input.get_device() != ctx.device)) {
     return c10::str("pyallreduce: tensor on ", input.device(), " but the communicator's memory is on ",
                     ctx.is_cuda ? "cuda:" + std::to_string(ctx.device) : std::string("cpu"));
   }
   const auto overlap = at::get_overlap_status(input, out);
-  if (overlap == at::MemOverlapStatus::Partial || overlap == at::MemOverlapStatus::TooHard) {
+  if (segmented) {
+    if (overlap != at::MemOverlapStatus::No && !is_own_segment(segment, whole, ctx.rank)) {
+      return c10::str("pyallreduce: the input and out of ", scatters ? "reduce_scatter" : "all_gather",
+                      " overlap; pass separate tensors, or as ", scatters ? "out" : "input",
+                      " exactly this rank's segment of ", scatters ? "input" : "out");
+    }
+  } else if (overlap == at::MemOverlapStatus::Partial || overlap == at::MemOverlapStatus::TooHard) {
     // Large messages are reduced in rounds, so out would overwrite input not yet copied in.
     // (Full overlap, the same memory, is an in-place call.)
     return "pyallreduce: out overlaps the input; pass the same tensor (all_reduce_) or a separate one";
   }
-  if (input.nbytes() > static_cast<size_t>(ctx.max_bytes)) {
-    return c10::str("pyallreduce: ", input.nbytes(), " bytes exceed the staging buffer (max_bytes=",
-                    ctx.max_bytes, "); Communicator.all_reduce chunks large tensors");
+  // What one call stages: the host backend runs reduce-scatter and all-gather
+  // of any size in rounds; everything else must fit (the Communicator chunks).
+  const int64_t staged = !segmented ? static_cast<int64_t>(input.nbytes())
+                         : scatters ? parts * segment_stride(segment.nbytes())
+                                    : static_cast<int64_t>(segment.nbytes());
+  if ((!segmented || ctx.is_cuda) && staged > ctx.max_bytes) {
+    return c10::str("pyallreduce: ", staged, " bytes to stage exceed the staging buffer (max_bytes=",
+                    ctx.max_bytes, "); the Communicator chunks large tensors");
   }
   return {};
 }
 
 void check_collective_args(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
                            int64_t algo) {
-  TORCH_CHECK(algo == kOneShot || algo == kTwoShot, "pyallreduce: unknown algorithm id ", algo);
-  const std::string problem = collective_args_problem(ctx, input, out);
+  TORCH_CHECK(algo == kOneShot || algo == kTwoShot || algo == kReduceScatter || algo == kAllGather,
+              "pyallreduce: unknown algorithm id ", algo);
+  const std::string problem = collective_args_problem(ctx, input, out, algo);
   TORCH_CHECK(problem.empty(), problem);
 }
 
@@ -217,23 +253,27 @@ bool register_agree_impl(c10::DeviceType type, AgreeImpl impl) {
 
 // pyallreduce._C.agree: the agreement round for a call this rank does not run
 // through the kernels (a torch.distributed fallback, or an empty tensor).
-void agree(int64_t handle, int64_t dtype, int64_t nbytes, int64_t mode, bool average, bool in_place) {
+// algo: kAgreeOnly for an all-reduce, else the collective (kReduceScatter,
+// kAllGather) the round stands for, so that different fallbacks cannot pair.
+void agree(int64_t handle, int64_t dtype, int64_t nbytes, int64_t mode, bool average, bool in_place,
+           int64_t algo) {
   std::shared_ptr<Context> held = get_context(handle);
   AgreeImpl impl = agree_impls[held->is_cuda];
   TORCH_CHECK(impl != nullptr, "pyallreduce: this build has no agreement round for this device");
   CollectiveGuard guard(*held);
   CallDesc desc{static_cast<uint64_t>(nbytes), 0,
-                desc_kind(static_cast<uint32_t>(dtype), kAgreeOnly, static_cast<uint32_t>(mode), average, in_place)};
+                desc_kind(static_cast<uint32_t>(dtype), static_cast<uint32_t>(algo), static_cast<uint32_t>(mode),
+                          average, in_place)};
   run_guarded(guard, *held, [&] { impl(*held, desc); });
 }
 
 // The custom ops' work without the dispatcher's boxing, about a microsecond
-// less per call, for Communicator's eager fast path (never under torch.compile
-// or a dispatch mode, which must see the op). Returns false, having done
+// less per call, for Communicator's eager fast paths (never under torch.compile
+// or a dispatch mode, which must see the op). algo: any op entry point's
+// (kOneShot, kTwoShot, kReduceScatter, kAllGather). Returns false, having done
 // nothing, where the tensors cannot go to a kernel as they are (see
 // collective_args_problem); Communicator's general path then handles them.
-bool try_all_reduce_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo,
-                          bool average) {
+bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo, bool average) {
   // Whatever must see the op: dispatch modes, torch function modes, the JIT
   // tracer, and wrapper tensors (functorch's vmap/grad, functionalization,
   // Python subclasses), whose data is not theirs to hand to a kernel.
@@ -247,12 +287,16 @@ bool try_all_reduce_eager(const at::Tensor& input, at::Tensor out, int64_t handl
   }
   std::shared_ptr<Context> held = get_context(handle);
   AllReduceImpl impl = eager_impls[static_cast<size_t>(input.device().type())];
-  if (impl == nullptr || input.numel() == 0 || out.sizes() != input.sizes() ||
-      !collective_args_problem(*held, input, out).empty()) {
+  const bool segmented = algo == kReduceScatter || algo == kAllGather;
+  if (impl == nullptr || input.numel() == 0 || (!segmented && out.sizes() != input.sizes()) ||
+      !collective_args_problem(*held, input, out, algo).empty()) {
     return false;
   }
   // The op's name, so torch.profiler shows these calls as it shows the op's.
-  RECORD_FUNCTION(input.is_same(out) ? "pyallreduce::all_reduce_" : "pyallreduce::all_reduce_out",
+  RECORD_FUNCTION(algo == kReduceScatter ? "pyallreduce::reduce_scatter_out"
+                  : algo == kAllGather   ? "pyallreduce::all_gather_out"
+                  : input.is_same(out)   ? "pyallreduce::all_reduce_"
+                                         : "pyallreduce::all_reduce_out",
                   std::vector<c10::IValue>{});
   run_on_context(*held, impl, input, out, algo, average);
   return true;
@@ -285,6 +329,10 @@ TORCH_LIBRARY(pyallreduce, m) {
   m.def("all_reduce(Tensor input, int handle, int algo, bool average) -> Tensor");
   m.def("all_reduce_out(Tensor input, Tensor(a!) out, int handle, int algo, bool average) -> ()");
   m.def("all_reduce_(Tensor(a!) tensor, int handle, int algo, bool average) -> ()");
+  // input: W segments, out: one (out may be this rank's segment of input).
+  m.def("reduce_scatter_out(Tensor input, Tensor(a!) out, int handle, bool average) -> ()");
+  // input: one segment (may be this rank's segment of out), out: W segments.
+  m.def("all_gather_out(Tensor input, Tensor(a!) out, int handle) -> ()");
 }
 
 // ---- Python module ----------------------------------------------------------
@@ -332,6 +380,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ONE_SHOT") = kOneShot;
   m.attr("TWO_SHOT") = kTwoShot;
   m.attr("AGREE_ONLY") = kAgreeOnly;
+  m.attr("REDUCE_SCATTER") = kReduceScatter;
+  m.attr("ALL_GATHER") = kAllGather;
+  m.attr("SEGMENT_UNIT") = kSegmentUnit;
   m.attr("DESC_OFFSET") = kDescOffset;
   m.attr("DESC_BYTES") = kDescBytes;
   m.attr("MODE_STAGED") = kModeStaged;
@@ -343,12 +394,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WITH_CUDA") = false;
 #endif
   m.def("region_bytes", &region_bytes, "bytes of one rank's region for a given max_bytes");
+  m.def("segment_stride", &segment_stride, py::arg("segment_bytes"),
+        "reduce-scatter's distance between segments in staging (protocol.h)");
   m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"));
   m.def("destroy_context", &destroy_context, py::arg("handle"));
   // The GIL is released while the ranks wait for each other, as torch.ops calls do.
-  m.def("try_all_reduce_eager", &try_all_reduce_eager, py::arg("input"), py::arg("out"),
+  m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dtype_code", [](at::ScalarType t) { return dtype_code(t); }, py::arg("dtype"),
@@ -365,7 +418,8 @@ PYBIND11_MODULE(_C, m) {
   // Collective, like a call: the GIL is released while the ranks meet.
   m.def("check", &check, py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def("agree", &agree, py::arg("handle"), py::arg("dtype"), py::arg("nbytes"), py::arg("mode"),
-        py::arg("average"), py::arg("in_place"), py::call_guard<py::gil_scoped_release>());
+        py::arg("average"), py::arg("in_place"), py::arg("algo") = kAgreeOnly,
+        py::call_guard<py::gil_scoped_release>());
   bind_shm(m);
   m.def("cpu_isa", &host_isa, "the vector ISA of the CPU backend's reductions: avx512, avx2 or generic");
 #ifdef PYALLREDUCE_WITH_CUDA

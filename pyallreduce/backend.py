@@ -1,27 +1,31 @@
-"""The "pyallreduce" torch.distributed backend, for CPU tensors.
+"""The "pyallreduce" torch.distributed backend.
 
     import pyallreduce  # registers it
     dist.init_process_group("pyallreduce", ...)      # or "cpu:pyallreduce,cuda:nccl"
     dist.all_reduce(x)                               # served by a pyallreduce.Communicator
 
-all_reduce of SUM or AVG on one CPU tensor goes to a Communicator: float32,
-float16 and bfloat16 run on its shared-memory kernels, other dtypes on its
-fallback (gloo), after its agreement round, so ranks whose calls differ all
-raise at once instead of each waiting for the other. Everything else (broadcast, barrier,
-send/recv, gathers, scatters, other ops and dtypes, object collectives) runs on
-an inner gloo backend built on the same store, with one log line per kind.
+Served by a Communicator of the group (one per device, created at the first
+call it serves): all_reduce (SUM, AVG), reduce_scatter_tensor and
+all_gather_into_tensor, their list forms (all_gather, reduce_scatter) and the
+coalesced forms torch routes through (all_reduce_coalesced,
+all_gather_into_tensor_coalesced, reduce_scatter_tensor_coalesced). Float32,
+float16 and bfloat16 reductions run on its kernels, and all-gathers of any
+dtype; other dtypes go to its fallback after its agreement round, so ranks
+whose calls differ all raise at once instead of each waiting for the other.
+Everything else (broadcast, barrier, send/recv, all_to_all, gather/scatter,
+reduce, other ops, object collectives) runs on an inner backend built on the
+same store, gloo for CPU tensors and NCCL for CUDA tensors, with one log line
+per kind; so do groups the Communicator cannot serve (several hosts).
 
-Why the Communicator is created lazily, at the first all_reduce it serves:
-its setup exchanges (all_gather_object, barrier) go through torch.distributed
-functions that take a *registered* process group (dist.get_rank(group) looks
-the group up in torch's world table). Inside the creator function the group
-does not exist yet, and neither does the default group (dist.is_initialized()
-is False there). At the first call it does: we find the ProcessGroup that owns
-this backend and hand it to the Communicator. Its exchanges then come back
-into this backend, which sends them on to gloo (they are not all_reduces of
-the kind served here, or they arrive while the Communicator is running, see
-_busy). Every rank reaches the first served call at the same collective (the
-choice depends only on the op, the dtype and the device, which a correct
+Why the Communicator is created at the first call, not with the backend: its
+setup exchanges (all_gather_object, barrier) go through torch.distributed
+functions that need the group *registered* in torch's world table, which it
+is only after the creator returns. Torch hands the creator the ProcessGroup
+(extended API), which the Communicator is given at the first call. Its
+exchanges come back into this backend, which sends them to the inner backend
+(they arrive while _busy is set), as it does the Communicator's own fallback
+collectives. Every rank reaches the first served call at the same collective
+(the choice depends only on the collective, op and device, which a correct
 program keeps equal across ranks), so the collective construction is safe.
 """
 import datetime
@@ -35,15 +39,13 @@ from torch._C._distributed_c10d import Work as _C10dWork
 from .communicator import Communicator, log_once
 
 NAME = "pyallreduce"
-GLOO_PREFIX = "pyallreduce_gloo/"  # the inner gloo backend's keys in the group's store
+INNER_PREFIX = "pyallreduce_inner/"  # the inner backends' keys in the group's store
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
 
 # Python name of each Backend method (the trampoline's names, torch/csrc/distributed/
-# c10d/py/PyBackend.hpp) that the inner gloo backend serves as it is.
-DELEGATED = ("broadcast", "allreduce_sparse", "allreduce_coalesced", "reduce", "allgather",
-             "all_gather_single", "allgather_coalesced", "all_gather_single_coalesced", "gather",
-             "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
-             "all_to_all_single", "alltoall", "send", "recv", "recv_anysource", "barrier")
+# c10d/py/PyBackend.hpp) that the inner backend serves as it is.
+DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "all_to_all_single", "alltoall",
+             "send", "recv", "recv_anysource", "barrier", "allgather_coalesced")
 
 
 class CompletedWork(_C10dWork):
@@ -53,14 +55,7 @@ class CompletedWork(_C10dWork):
 
     def __init__(self, tensors, error=None):
         super().__init__()
-        self._error = error
-        self._future = torch.futures.Future()
-        self._future.set_result(tensors)
-        if error is not None:
-            # Not Future.set_exception: that error lives in the Python wrapper only, and
-            # C++ (DDP's reducer, work.get_future() from Python) would see it as the value.
-            # A raising callback marks the C++ future itself as failed.
-            self._future = self._future.then(functools.partial(_raise, error))
+        self._tensors, self._error, self._future = tensors, error, None
 
     def wait(self, timeout=None):
         if self._error is not None:
@@ -68,6 +63,15 @@ class CompletedWork(_C10dWork):
         return True
 
     def get_future(self):
+        if self._future is None:  # made on demand: most callers only wait()
+            future = torch.futures.Future()
+            future.set_result(self._tensors)
+            if self._error is not None:
+                # Not Future.set_exception: that error lives in the Python wrapper only, and
+                # C++ (DDP's reducer, work.get_future() from Python) would see it as the value.
+                # A raising callback marks the C++ future itself as failed.
+                future = future.then(functools.partial(_raise, self._error))
+            self._future = future
         return self._future
 
     def is_completed(self):
@@ -85,13 +89,16 @@ def _raise(error, _future):
 
 
 class PyallreduceBackend(_C10dBackend):
-    def __init__(self, store, rank, world_size, timeout):
+    def __init__(self, store, rank, world_size, timeout, process_group):
         super().__init__(rank, world_size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), rank, world_size, timeout)
+        self._store = dist.PrefixStore(INNER_PREFIX, store)
         self._timeout = timeout
-        self._comm = None
-        self._busy = False  # inside a Communicator call: its own torch.distributed calls go to gloo
+        self._group = process_group
+        self._inner = {}  # device type -> the inner gloo / NCCL backend, made at first use
+        self._comms = {}  # torch.device -> Communicator
+        self._busy = False  # inside a Communicator call: its own torch.distributed calls go to the inner backend
         self._closed = False
+        self._inner_backend("cpu")  # gloo's rendezvous now, as every rank creates the group
 
     def getBackendName(self):
         return NAME
@@ -100,52 +107,132 @@ class PyallreduceBackend(_C10dBackend):
 
     def allreduce(self, tensors, opts):
         op = _OPS.get(opts.reduceOp.op)
-        tensor = tensors[0] if len(tensors) == 1 else None
-        if (self._busy or op is None or tensor is None or tensor.device.type != "cpu"
-                or tensor.layout != torch.strided):
-            if not self._busy:
-                what = (f"op {opts.reduceOp.op}" if op is None else
-                        f"{len(tensors)} tensors" if tensor is None else f"{tensor.dtype} on {tensor.device}")
-                log_once(f"backend {NAME}: all_reduce of {what} is served by gloo")
-            return self._gloo.allreduce(tensors, opts)
+        if op is None or len(tensors) != 1:
+            return self._inner_call("allreduce", f"all_reduce of {len(tensors)} tensors or op {opts.reduceOp.op}",
+                                    tensors, opts)
+        return self._serve("allreduce", tensors, (tensors, opts), lambda comm: comm.all_reduce_(tensors[0], op))
+
+    def allreduce_coalesced(self, tensors, opts):
+        op = _OPS.get(opts.reduceOp.op)
+        if op is None:
+            return self._inner_call("allreduce_coalesced", f"op {opts.reduceOp.op}", tensors, opts)
+
+        def run(comm):
+            for t in tensors:
+                comm.all_reduce_(t, op)
+        return self._serve("allreduce_coalesced", tensors, (tensors, opts), run)
+
+    def reduce_scatter_single(self, output, input, opts):
+        op = _OPS.get(opts.reduceOp.op)
+        if op is None:
+            return self._inner_call("reduce_scatter_single", f"op {opts.reduceOp.op}", output, input, opts)
+        return self._serve("reduce_scatter_single", [output, input], (output, input, opts),
+                           lambda comm: comm.reduce_scatter(input, op, out=output), result=[output])
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        op = _OPS.get(opts.reduceOp.op)
+        if op is None:
+            return self._inner_call("reduce_scatter_single_coalesced", f"op {opts.reduceOp.op}", outputs, inputs,
+                                    opts)
+
+        def run(comm):
+            for out, x in zip(outputs, inputs, strict=True):
+                comm.reduce_scatter(x, op, out=out)
+        return self._serve("reduce_scatter_single_coalesced", [*outputs, *inputs], (outputs, inputs, opts), run,
+                           result=outputs)
+
+    def reduce_scatter(self, outputs, input_lists, opts):
+        op = _OPS.get(opts.reduceOp.op)
+        if op is None or len(outputs) != 1:
+            return self._inner_call("reduce_scatter", f"op {opts.reduceOp.op} or {len(outputs)} outputs", outputs,
+                                    input_lists, opts)
+
+        def run(comm):  # the list form: the W inputs side by side, one call
+            comm.reduce_scatter(torch.cat([t.reshape(-1) for t in input_lists[0]]), op, out=outputs[0])
+        return self._serve("reduce_scatter", [*outputs, *input_lists[0]], (outputs, input_lists, opts), run,
+                           result=outputs)
+
+    def all_gather_single(self, output, input, opts):
+        return self._serve("all_gather_single", [output, input], (output, input, opts),
+                           lambda comm: comm.all_gather(input, out=output), result=[output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        def run(comm):
+            for out, x in zip(outputs, inputs, strict=True):
+                comm.all_gather(x, out=out)
+        return self._serve("all_gather_single_coalesced", [*outputs, *inputs], (outputs, inputs, opts), run,
+                           result=outputs)
+
+    def allgather(self, output_lists, inputs, opts):
+        if len(inputs) != 1:
+            return self._inner_call("allgather", f"{len(inputs)} inputs", output_lists, inputs, opts)
+
+        def run(comm):  # the list form: one call into a flat buffer, then the W views
+            gathered = comm.all_gather(inputs[0].reshape(-1)).view(self.size(), -1)
+            for q, out in enumerate(output_lists[0]):
+                out.copy_(gathered[q].view(out.shape))
+        return self._serve("allgather", [*output_lists[0], *inputs], (output_lists, inputs, opts), run,
+                           result=output_lists)
+
+    def _serve(self, name, tensors, args, run, result=None):
+        """Runs run(communicator) for a call whose tensors are all on one CPU or
+        CUDA device; anything else goes to the inner backend (`args` as given).
+        Errors are raised by the Work's wait(), as torch's backends do."""
+        device = tensors[0].device if tensors else None
+        if (self._busy or device is None or device.type not in ("cpu", "cuda")
+                or any(t.device != device or t.layout != torch.strided for t in tensors)):
+            why = None if self._busy else "tensors on several devices, sparse, or of a device it does not serve"
+            return self._inner_call(name, why, *args)
         try:
-            comm = self._communicator()
+            comm = self._communicator(device)
             self._busy = True
             try:
-                comm.all_reduce_(tensor, op)
+                run(comm)
             finally:
                 self._busy = False
-        except Exception as e:  # raised by wait(), as torch's backends do
-            return CompletedWork(tensors, e)
-        return CompletedWork(tensors)
+        except Exception as e:
+            return CompletedWork(result if result is not None else tensors, e)
+        return CompletedWork(result if result is not None else tensors)
 
-    def _communicator(self):
+    def _communicator(self, device):
         if self._closed:
             raise RuntimeError(f"pyallreduce: this {NAME} process group was destroyed")
-        if self._comm is None:
-            self._busy = True  # its setup exchanges go to gloo
+        comm = self._comms.get(device)
+        if comm is None:
+            self._busy = True  # its setup exchanges go to the inner backend
             try:
-                self._comm = Communicator(self._process_group(), device="cpu", backend="cpu",
-                                          timeout=self._timeout)
+                comm = Communicator(self._group, device=device, timeout=self._timeout)
             finally:
                 self._busy = False
-        return self._comm
+            self._comms[device] = comm
+        return comm
 
-    def _process_group(self):
-        """The registered ProcessGroup whose CPU backend this is."""
-        cpu = torch.device("cpu")
-        for pg in list(dist.distributed_c10d._world.pg_map):
-            try:
-                if pg._get_backend(cpu) is self:
-                    return pg
-            except RuntimeError:  # a group without a CPU backend
-                continue
-        raise RuntimeError(f"pyallreduce: no registered process group uses this {NAME} backend")
+    # ---- the inner backends ------------------------------------------------
+
+    def _inner_backend(self, device_type):
+        inner = self._inner.get(device_type)
+        if inner is None:
+            store = dist.PrefixStore(f"{device_type}/", self._store)
+            if device_type == "cuda":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self._timeout
+                inner = dist.ProcessGroupNCCL(store, self.rank(), self.size(), options)
+            else:
+                inner = dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
+            self._inner[device_type] = inner
+        return inner
+
+    def _inner_call(self, name, why, *args):
+        """Backend method `name` of the inner backend for the arguments' device
+        (gloo when they hold no CUDA tensor), logging `why` once per kind."""
+        if why is not None and not self._busy:
+            log_once(f"backend {NAME}: {name} is served by the inner backend: {why}")
+        return getattr(self._inner_backend(_device_type(args)), name)(*args)
 
     # ---- lifetime ------------------------------------------------------------
 
     def shutdown(self):
-        """destroy_process_group: unmaps the shared memory (no collective on CPU)."""
+        """destroy_process_group: closes the communicators and the inner backends."""
         self._release()
 
     def abort(self):
@@ -155,22 +242,33 @@ class PyallreduceBackend(_C10dBackend):
         if self._closed:
             return
         self._closed = True
-        comm, self._comm = self._comm, None  # also breaks the cycle group -> backend -> comm -> group
+        comms, self._comms = list(self._comms.values()), {}
+        self._group = None  # breaks the cycle group -> backend -> group
         try:
-            if comm is not None:
+            for comm in comms:  # CUDA ones are collective: every rank destroys the group
                 comm.close()
         finally:
-            self._gloo.shutdown()
+            for inner in self._inner.values():
+                inner.shutdown()
+
+
+def _device_type(args):
+    """'cuda' if any tensor among the (nested) arguments is a CUDA tensor, else 'cpu'."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_cuda:
+                return "cuda"
+        elif isinstance(a, (list, tuple)) and _device_type(a) == "cuda":
+            return "cuda"
+    return "cpu"
 
 
 def _delegate(name):
     def method(self, *args):
-        if not self._busy:  # the Communicator's own setup exchanges are not news
-            log_once(f"backend {NAME}: {name} is served by gloo")
-        return getattr(self._gloo, name)(*args)
+        return self._inner_call(name, "not served by pyallreduce", *args)
 
     method.__name__ = name
-    method.__doc__ = "Served by the inner gloo backend."
+    method.__doc__ = "Served by the inner backend (gloo or NCCL)."
     return method
 
 
@@ -178,12 +276,12 @@ for _name in DELEGATED:
     setattr(PyallreduceBackend, _name, _delegate(_name))
 
 
-def create_backend(store, rank, world_size, timeout):
-    """torch.distributed's creator function (store is already prefixed for this group)."""
-    if timeout is None:
-        timeout = datetime.timedelta(minutes=30)
-    return PyallreduceBackend(store, rank, world_size, timeout)
+def create_backend(opts, backend_options):
+    """torch.distributed's creator function (extended API: opts.store is already
+    prefixed for this group, opts.process_group is the group being made)."""
+    timeout = opts.timeout if opts.timeout is not None else datetime.timedelta(minutes=30)
+    return PyallreduceBackend(opts.store, opts.group_rank, opts.group_size, timeout, opts.process_group)
 
 
 if NAME.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(NAME, create_backend, devices=["cpu"])
+    dist.Backend.register_backend(NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])

@@ -35,6 +35,8 @@ DEBUG_ENV = "PYALLREDUCE_DEBUG"
 # The overloads themselves: calling them skips torch.ops' overload resolution.
 _all_reduce_out = torch.ops.pyallreduce.all_reduce_out.default
 _all_reduce_inplace = torch.ops.pyallreduce.all_reduce_.default
+_reduce_scatter_out = torch.ops.pyallreduce.reduce_scatter_out.default
+_all_gather_out = torch.ops.pyallreduce.all_gather_out.default
 
 _logged = set()
 
@@ -261,6 +263,40 @@ class Communicator:
         data = _data(tensor)
         self._reduce(data, data, average, algo)
         return tensor
+
+    def reduce_scatter(self, tensor, op="sum", out=None):
+        """Reduce-scatter: `tensor` holds world_size equal segments (its numel a
+        multiple of the world size); rank r gets the reduction of segment r
+        over the ranks. Returns it, in `out` when given (numel // world_size
+        elements of the same dtype; it may be this rank's segment of `tensor`),
+        else in a new tensor of shape (d0 // world_size, *rest) (flat when d0
+        does not divide). The sum is the fixed rank-order fp32 sum of
+        all_reduce: the bits of all_reduce(tensor) in segment r."""
+        average = parse_op(op)
+        self._check_tensor(tensor, "tensor")
+        segment = self._segment_numel(tensor, "tensor")
+        if out is None:
+            shape = ((tensor.shape[0] // self.world_size, *tensor.shape[1:])
+                     if tensor.dim() and tensor.shape[0] % self.world_size == 0 else (segment,))
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check_out_numel(tensor, out, segment)
+        self._scatter_or_gather(_C.REDUCE_SCATTER, _data(tensor), _data(out), average)
+        return out
+
+    def all_gather(self, tensor, out=None):
+        """All-gather: every rank's `tensor`, concatenated in rank order. Returns
+        it, in `out` when given (world_size x numel elements of the same dtype;
+        `tensor` may be this rank's segment of it, as FSDP2 passes), else in a
+        new tensor of shape (world_size * d0, *rest). Any dtype (a byte copy)."""
+        self._check_tensor(tensor, "tensor")
+        if out is None:
+            shape = (self.world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.world_size,)
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check_out_numel(tensor, out, tensor.numel() * self.world_size)
+        self._scatter_or_gather(_C.ALL_GATHER, _data(tensor), _data(out), False)
+        return out
 
     def register(self, tensor):
         """Collective: lets peers read `tensor` in place (zero copy) in later calls.
@@ -553,7 +589,7 @@ class Communicator:
             dst = torch.empty_like(src)
         elif type(dst) is not torch.Tensor:
             return None
-        if not _C.try_all_reduce_eager(src, dst, self._handle, algo_id, average):
+        if not _C.try_collective_eager(src, dst, self._handle, algo_id, average):
             return None
         self._calls += 1
         return dst
@@ -572,6 +608,18 @@ class Communicator:
         if out.shape != tensor.shape or out.dtype != tensor.dtype:
             raise ValueError(f"pyallreduce: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
                              f"expected {tuple(tensor.shape)} and {tensor.dtype} like the input")
+
+    def _segment_numel(self, tensor, name):
+        if tensor.numel() % self.world_size:
+            raise ValueError(f"pyallreduce: reduce_scatter needs {name}.numel() to be a multiple of the world size "
+                             f"{self.world_size}, got {tensor.numel()}")
+        return tensor.numel() // self.world_size
+
+    def _check_out_numel(self, tensor, out, numel):
+        self._check_tensor(out, "out")
+        if out.numel() != numel or out.dtype != tensor.dtype:
+            raise ValueError(f"pyallreduce: out has {out.numel()} elements of {out.dtype}; expected {numel} of "
+                             f"{tensor.dtype}")
 
     def _algo_id(self, algo, nbytes):
         if algo == "auto":
@@ -621,7 +669,98 @@ class Communicator:
         if contiguous_dst is not dst:
             dst.copy_(contiguous_dst)
 
-    def _agree(self, src, dst, average, mode):
+    def _scatter_or_gather(self, algo, src, dst, average):
+        """dst = reduce_scatter(src) or all_gather(src) across ranks (algo: _C.REDUCE_SCATTER,
+        _C.ALL_GATHER); checked by the caller. One place decides: kernels or fallback,
+        chunking, and the contiguous copies."""
+        if (self._handle is not None and not self.debug and _eager(src) and type(dst) is torch.Tensor
+                and _C.try_collective_eager(src, dst, self._handle, algo, average)):
+            self._calls += 1  # the common case, kept short (as in _direct)
+            return
+        scatters = algo == _C.REDUCE_SCATTER
+        segment = dst if scatters else src  # protocol.h's S: the per-rank part
+        nbytes = segment.numel() * segment.element_size()
+        if self.debug and not self._capturing:
+            self._check_fingerprint(src, average, "reduce_scatter" if scatters else "all_gather")
+        reason = self.fallback_reason
+        if reason is None and scatters and src.dtype not in SUPPORTED_DTYPES:
+            reason = f"dtype {src.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
+        if reason is None and self.backend != "cpu" and self._piece_bytes(algo, segment.element_size()) == 0:
+            reason = f"max_bytes={self.max_bytes} is too small for {self.world_size} segments"
+        if reason is not None:
+            if not torch.compiler.is_compiling():
+                log_once(f"torch.distributed used for {'reduce_scatter' if scatters else 'all_gather'}: {reason}")
+            self._agree(src, dst, average, _C.MODE_FALLBACK, algo)
+            return self._reference_scatter_or_gather(scatters, src, dst, average)
+        if nbytes == 0:
+            return self._agree(src, dst, average, _C.MODE_STAGED, algo)
+        # Contiguous, and not overlapping except as protocol.h allows (this rank's
+        # segment of the larger tensor); anything else through copies.
+        src_c = src if src.is_contiguous() else src.contiguous()
+        dst_c = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        whole, part = (src_c, dst_c) if scatters else (dst_c, src_c)
+        if _overlaps(src_c, dst_c) and not _is_segment(part, whole, self.rank, self.world_size):
+            src_c = src_c.clone()
+        self._run_scatter_or_gather(algo, src_c.view(-1), dst_c.view(-1), average)
+        if dst_c is not dst:
+            dst.copy_(dst_c)
+
+    def _piece_bytes(self, algo, element_size):
+        """The GPU backends stage a whole call: the most bytes of each segment one
+        call moves (a multiple of the element size), 0 if not one element fits."""
+        if algo == _C.REDUCE_SCATTER:
+            per = self.max_bytes // self.world_size // _C.SEGMENT_UNIT * _C.SEGMENT_UNIT
+        else:
+            per = self.max_bytes
+        return per // element_size * element_size
+
+    def _run_scatter_or_gather(self, algo, src, dst, average):
+        """Flat contiguous src/dst with nonzero bytes. The host backend takes any
+        size (its kernels run in rounds); the GPU ones in pieces of every segment
+        that staging holds, through contiguous copies of the pieces."""
+        scatters = algo == _C.REDUCE_SCATTER
+        n = dst.numel() if scatters else src.numel()  # elements per segment
+        per = n if self.backend == "cpu" else self._piece_bytes(algo, src.element_size()) // src.element_size()
+        for start in range(0, n, per):
+            stop = min(n, start + per)
+            if per >= n:
+                s, d = src, dst
+            elif scatters:
+                s, d = src.view(self.world_size, n)[:, start:stop].contiguous().view(-1), dst[start:stop]
+            else:
+                s, d = src[start:stop], torch.empty(self.world_size * (stop - start), dtype=dst.dtype,
+                                                    device=dst.device)
+            self._calls += 1
+            if self.backend == "triton":
+                from . import triton_kernels
+
+                t = self._transport
+                if scatters:
+                    self._triton(triton_kernels.reduce_scatter, s, d, t.regions, self.rank, self.world_size,
+                                 self.max_bytes, self.nblocks, average, self.timeout_s, self._calls)
+                else:
+                    self._triton(triton_kernels.all_gather, s, d, t.regions, self.rank, self.world_size,
+                                 self.max_bytes, self.nblocks, self.timeout_s, self._calls)
+            elif scatters:
+                _reduce_scatter_out(s, d, self._handle, average)
+            else:
+                _all_gather_out(s, d, self._handle)
+            if not scatters and d is not dst:
+                dst.view(self.world_size, n)[:, start:stop].copy_(d.view(self.world_size, -1))
+
+    def _reference_scatter_or_gather(self, scatters, src, dst, average):
+        if average and not (src.is_floating_point() or src.is_complex()):
+            raise ValueError(f"pyallreduce: op='avg' is not defined for {src.dtype}; use op='sum'")
+        work = torch.empty(dst.numel(), dtype=dst.dtype, device=dst.device)
+        if scatters:
+            dist.reduce_scatter_tensor(work, src.contiguous().view(-1), op=dist.ReduceOp.SUM, group=self.group)
+            if average:
+                work.div_(self.world_size)
+        else:
+            dist.all_gather_into_tensor(work, src.contiguous().view(-1), group=self.group)
+        dst.copy_(work.view(dst.shape))
+
+    def _agree(self, src, dst, average, mode, algo=None):
         """The agreement round for a call that does not go through the kernels
         (a torch.distributed fallback, an empty tensor): the peers check it
         against their own call, so a rank whose call differs makes every rank
@@ -632,16 +771,22 @@ class Communicator:
         if self._transport is None or torch.compiler.is_compiling():
             return
         self._calls += 1
-        nbytes, in_place = src.numel() * src.element_size(), dst is src
+        algo = _C.AGREE_ONLY if algo is None else algo
+        if algo == _C.AGREE_ONLY:
+            nbytes, in_place = src.numel() * src.element_size(), dst is src
+        else:  # protocol.h: W segments; "in place" is the one overlap the kernels allow
+            whole, part = (src, dst) if algo == _C.REDUCE_SCATTER else (dst, src)
+            nbytes = whole.numel() * whole.element_size()
+            in_place = _is_segment(part, whole, self.rank, self.world_size)
         if self.backend == "triton":
             from . import triton_kernels
 
             return self._triton(triton_kernels.agree, _C.dtype_code(src.dtype), nbytes, mode, average, in_place,
                                 self._transport.regions, self.rank, self.world_size, self.nblocks,
-                                self.timeout_s, src.device, self._calls)
-        _C.agree(self._handle, _C.dtype_code(src.dtype), nbytes, mode, average, in_place)
+                                self.timeout_s, src.device, self._calls, algo=algo)
+        _C.agree(self._handle, _C.dtype_code(src.dtype), nbytes, mode, average, in_place, algo)
 
-    def _triton(self, fn, *args):
+    def _triton(self, fn, *args, **kwargs):
         """Runs a Triton collective, keeping the C++ backends' rules: a
         communicator that failed mid-protocol refuses further use; a mismatch
         (every rank raises it, epochs back in step) does not break it."""
@@ -659,7 +804,7 @@ class Communicator:
             if self._last_stream is not None and self._last_stream != stream:
                 stream.wait_event(self._launched)
         try:
-            result = fn(*args)
+            result = fn(*args, **kwargs)
         except triton_kernels.CallMismatch as e:
             raise RuntimeError(str(e)) from None
         except RuntimeError as e:
@@ -726,9 +871,24 @@ def captures_mismatch(every):
 def _eager(tensor):
     """Whether the kernels may be called directly rather than through the torch op
     (a microsecond less per call): plain tensors outside torch.compile/export,
-    which trace the op. The C++ side (try_all_reduce_eager) declines under
+    which trace the op. The C++ side (try_collective_eager) declines under
     dispatch modes, torch function modes, the JIT tracer and functorch wrappers."""
     return not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
+
+
+def _overlaps(a, b):
+    """Whether the memory of a and b may overlap (same storage, intersecting byte ranges)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _is_segment(part, whole, rank, world_size):
+    """Whether `part` is exactly segment `rank` of `whole` (protocol.h's allowed overlap)."""
+    nbytes = part.numel() * part.element_size()
+    return (nbytes > 0 and whole.numel() * whole.element_size() == world_size * nbytes and part.is_contiguous()
+            and whole.is_contiguous() and part.data_ptr() == whole.data_ptr() + rank * nbytes)
 
 
 def _data(tensor):

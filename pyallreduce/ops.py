@@ -18,3 +18,13 @@ def _all_reduce_out_fake(input, out, handle, algo, average):
 @torch.library.register_fake("pyallreduce::all_reduce_")
 def _all_reduce_inplace_fake(tensor, handle, algo, average):
     return None
+
+
+@torch.library.register_fake("pyallreduce::reduce_scatter_out")
+def _reduce_scatter_out_fake(input, out, handle, average):
+    return None
+
+
+@torch.library.register_fake("pyallreduce::all_gather_out")
+def _all_gather_out_fake(input, out, handle):
+    return None

@@ -20,6 +20,7 @@ from launch import run_ranks
 WORLD = 2
 TIMEOUT = 90.0
 NUMEL = 1000
+CPU = torch.device("cpu")
 
 
 def reinit(backend, store_file):
@@ -60,7 +61,7 @@ def _all_reduce(rank, world_size, backend, store_file):
         assert torch.equal(x, expected[dtype]), f"async sum {dtype}"
         future_value = work.get_future().wait()
         assert len(future_value) == 1 and torch.equal(future_value[0], x)
-    comm = impl._comm
+    comm = impl._comms[CPU]
     assert comm is not None and comm.fallback_reason is None, comm
     assert comm._calls >= 3 * len(dtypes), "the calls did not run on the communicator"
 
@@ -77,7 +78,7 @@ def _all_reduce(rank, world_size, backend, store_file):
     assert torch.equal(d, torch.full((3,), 3.0, dtype=torch.float64))
 
     dist.destroy_process_group()
-    assert comm.closed and impl._comm is None
+    assert comm.closed and not impl._comms
     return sorted(leaked_segments())
 
 
@@ -119,7 +120,7 @@ def _two_hosts(rank, world_size, store_file):
         x = torch.full((8,), float(rank + 1))
         dist.all_reduce(x, op=op)  # the Communicator's fallback re-enters the backend: gloo serves it
         assert torch.equal(x, torch.full((8,), expected)), (op, x)
-    assert "2 hosts" in impl._comm.fallback_reason
+    assert "2 hosts" in impl._comms[CPU].fallback_reason
 
 
 def test_communicator_fallback_goes_to_gloo(tmp_path):
@@ -155,7 +156,7 @@ def _ddp(rank, world_size, store_file):
     reference = _train(rank, world_size)  # backend "gloo"
     impl = reinit("pyallreduce", store_file)
     params = _train(rank, world_size)
-    comm = impl._comm
+    comm = impl._comms[CPU]
     assert comm is not None and comm._calls > 0, "DDP's all-reduces did not run on the communicator"
     for k, (p, q) in enumerate(zip(params, reference)):
         assert torch.equal(p, q), f"parameter {k} differs from gloo's by {(p - q).abs().max().item()}"
@@ -170,3 +171,184 @@ def _ddp(rank, world_size, store_file):
 def test_ddp_matches_gloo(tmp_path):
     leftovers = run_ranks(_ddp, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
     assert leftovers == [[]] * WORLD, leftovers
+
+
+def exact(numel, rank, dtype=torch.float32, salt=0):
+    """Small integers: every sum over <= 8 ranks is exact, whatever the order."""
+    return ((torch.arange(numel) * 7 + salt + 5 * rank) % 9 - 4).to(dtype)
+
+
+def _scatter_gather(rank, world_size, store_file):
+    """Each collective with gloo first (the reference), then the same calls on
+    "pyallreduce": bitwise equal, and run by the communicator."""
+    seg = 3000
+
+    def calls():
+        results = []
+        for dtype in (torch.float32, torch.bfloat16):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                out = torch.empty(seg, dtype=dtype)
+                if op == dist.ReduceOp.AVG and dist.get_backend() == "gloo":  # gloo has no AVG
+                    dist.reduce_scatter_tensor(out, exact(world_size * seg, rank, dtype))
+                    out /= world_size
+                else:
+                    dist.reduce_scatter_tensor(out, exact(world_size * seg, rank, dtype), op=op)
+                results.append(out)
+        for dtype in (torch.float32, torch.int64, torch.uint8):
+            out = torch.empty(world_size * seg, dtype=dtype)
+            dist.all_gather_into_tensor(out, exact(seg, rank, dtype).abs())
+            results.append(out)
+            # FSDP2's layout: the input is this rank's segment of the output
+            out = torch.zeros(world_size * seg, dtype=dtype)
+            out[rank * seg:(rank + 1) * seg] = exact(seg, rank, dtype).abs()
+            work = dist.all_gather_into_tensor(out, out[rank * seg:(rank + 1) * seg], async_op=True)
+            work.wait()
+            results.append(out)
+        listed = [torch.empty(seg) for _ in range(world_size)]
+        dist.all_gather(listed, exact(seg, rank, salt=1))
+        results += listed
+        out = torch.empty(seg)
+        dist.reduce_scatter(out, [exact(seg, rank, salt=q) for q in range(world_size)])
+        results.append(out)
+        coalesced = [exact(100, rank, salt=2), exact(7, rank, salt=3)]
+        dist.all_reduce_coalesced(coalesced)
+        results += coalesced
+        outs = [torch.empty(world_size * 64), torch.empty(world_size * 5)]
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_into_tensor(outs[0], exact(64, rank, salt=4))
+            dist.all_gather_into_tensor(outs[1], exact(5, rank, salt=5))
+        cm.wait()
+        results += outs
+        outs = [torch.empty(64), torch.empty(5)]
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(outs[0], exact(world_size * 64, rank, salt=6))
+            dist.reduce_scatter_tensor(outs[1], exact(world_size * 5, rank, salt=7))
+        cm.wait()
+        return results + outs
+
+    reference = calls()
+    impl = reinit("pyallreduce", store_file)
+    got = calls()
+    for k, (a, b) in enumerate(zip(got, reference, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"result {k} ({a.dtype}) differs from gloo's"
+    # 4 reduce-scatters, 6 all-gathers, the list forms, 2 coalesced all-reduces, 2 x 2 coalesced
+    assert impl._comms[CPU]._calls >= 4 + 6 + 2 + 2 + 4, impl._comms[CPU]._calls
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_all_gather_and_their_forms_match_gloo(tmp_path, world):
+    run_ranks(_scatter_gather, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
+
+
+def _fsdp2(rank, world_size, store_file):
+    from torch.distributed.fsdp import fully_shard
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        for layer in model[0], model[2]:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            loss = model(torch.randn(8, 16, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    reference = train()
+    impl = reinit("pyallreduce", store_file)
+    params = train()
+    assert impl._comms[CPU]._calls > 0, "FSDP2's collectives did not run on the communicator"
+    return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_fully_shard_matches_gloo(tmp_path, world):
+    diffs = run_ranks(_fsdp2, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
+    # 2 ranks: a + b is one rounding whatever the order, so bitwise equal. More:
+    # gloo's order is not ours (rank order 0..W-1), so the last bits may differ.
+    limit = 0.0 if world == 2 else 1e-5
+    assert max(max(d) for d in diffs) <= limit, diffs
+
+
+def _tensor_parallel(rank, world_size, store_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def train():
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step)  # tensor parallel: one batch for every rank
+            loss = model(torch.randn(4, 16, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    reference = train()
+    impl = reinit("pyallreduce", store_file)
+    params = train()
+    assert impl._comms[CPU]._calls > 0, "the row-parallel all-reduces did not run on the communicator"
+    return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_row_and_column_parallel_linear_matches_gloo(tmp_path, world):
+    diffs = run_ranks(_tensor_parallel, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
+    limit = 0.0 if world == 2 else 1e-5
+    assert max(max(d) for d in diffs) <= limit, diffs
+
+
+def _subgroup(rank, world_size, store_file):
+    reinit("pyallreduce", store_file)
+    group = dist.new_group([0, 2], backend="pyallreduce")
+    if rank in (0, 2):
+        x = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(x, group=group)
+        assert torch.equal(x, torch.full((1000,), 4.0))
+        out = torch.empty(2 * 10)
+        dist.all_gather_into_tensor(out, torch.full((10,), float(rank)), group=group)
+        assert torch.equal(out, torch.cat([torch.zeros(10), torch.full((10,), 2.0)]))
+        comm = group._get_backend(CPU)._comms[CPU]
+        assert (comm.world_size, comm.rank) == (2, rank // 2)
+    y = torch.ones(5)
+    dist.all_reduce(y)  # the world group, on its own communicator
+    assert torch.equal(y, torch.full((5,), 3.0))
+
+
+def test_subgroups_get_their_own_communicator(tmp_path):
+    run_ranks(_subgroup, 3, str(tmp_path / "store"), timeout=TIMEOUT * 2)
+
+
+def _timeout(rank, world_size, store_file):
+    import datetime
+    import time
+
+    dist.destroy_process_group()
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=3))
+    dist.all_reduce(torch.ones(4))  # the communicator exists on both ranks
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"never arrived"):
+            dist.all_reduce(torch.ones(4))  # rank 1 never makes this call
+        waited = time.monotonic() - start
+        assert 2.5 < waited < 60, waited
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+            dist.all_reduce(torch.ones(4))
+        open(f"{store_file}.done", "w").close()
+    else:  # waits outside torch.distributed, whose every wait now ends after 3 s
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{store_file}.done") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def test_the_process_group_timeout_applies(tmp_path):
+    run_ranks(_timeout, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)

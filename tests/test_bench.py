@@ -160,3 +160,20 @@ def test_crossover_is_the_start_of_the_winning_tail():
     never = [row(s, "one_shot", 1, 100) for s in one] + [row(s, "two_shot", 2, 100) for s in one]
     got = bench.derive_crossover(never, "cpu")
     assert got["two_shot_min_bytes"] == bench.NEVER and got["reference_min_bytes"] is None
+
+
+def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):
+    """bench/backend_bench.py: every collective on gloo, the backend and a direct
+    Communicator, each result checked (#wrong 0), one JSON row per size."""
+    out = tmp_path / "backend.json"
+    cmd = [sys.executable, str(bench_scripts.BENCH_DIR / "backend_bench.py"), "--nproc", "2", "--sizes", "256:16K",
+           "--factor", "64", "--iters", "3", "--warmup", "1", "--json", str(out)]
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["collective"], r["bytes"]) for r in rows] == [
+        (c, s) for c in ("all_reduce", "reduce_scatter", "all_gather") for s in (256, 16384)]
+    for r in rows:
+        assert r["wrong"] == 0 and r["world"] == 2, r
+        assert all(r[f"{p}_us"] > 0 for p in ("gloo", "backend", "direct")), r
+        assert r["overhead_us"] == pytest.approx(r["backend_us"] - r["direct_us"]), r

@@ -1,7 +1,9 @@
-"""Runs the real CUDA kernels (csrc/cuda/all_reduce.cuh) on the host through
-the CUDA shim (tests/sim): W = 1..8 ranks as threads and as processes, every
-mode, graph entries, mismatched calls, deadlines and the epoch wrap, every
-output bit against a reference; then the sanitizer subsets (ASan+UBSan, TSan).
+"""Runs the real CUDA kernels (csrc/cuda/all_reduce.cuh: all-reduce,
+reduce-scatter, all-gather) on the host through the CUDA shim (tests/sim):
+W = 1..8 ranks as threads and as processes, every mode, graph entries, the
+three collectives mixed on one communicator, mismatched calls, deadlines and
+the epoch wrap, every output bit against a reference; then the sanitizer
+subsets (ASan+UBSan, TSan).
 g++ and the CUDA toolkit's headers only: no torch build, no GPU.
 
 The mutants (deliberate kernel bugs the harness must catch) run with

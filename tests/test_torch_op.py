@@ -21,6 +21,9 @@ def opcheck_ops(rank, world):
         torch.library.opcheck(torch.ops.pyallreduce.all_reduce.default, (x, h, 0, False))
         torch.library.opcheck(torch.ops.pyallreduce.all_reduce_out.default, (x, torch.empty_like(x), h, 1, True))
         torch.library.opcheck(torch.ops.pyallreduce.all_reduce_.default, (x.clone(), h, 0, False))
+        whole = exact_input(300 * world, rank, dtype)
+        torch.library.opcheck(torch.ops.pyallreduce.reduce_scatter_out.default, (whole, torch.empty_like(x), h, True))
+        torch.library.opcheck(torch.ops.pyallreduce.all_gather_out.default, (x, torch.empty_like(whole), h))
     comm.close()
 
 

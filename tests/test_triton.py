@@ -9,9 +9,12 @@ history, and a deterministic mid-barrier check), and the per-call agreement
 (mismatched calls raise the same error on every rank, nothing is written, the
 next call works); and the two-shot ownership (every rank reduces its share of
 the chunks, within one chunk of the others', read from its staging buffer).
+Reduce-scatter and all-gather: bitwise against the reference and the
+all-reduce, exact byte copies of any dtype, both in-place forms, mixed with
+all-reduces on one set of regions; refused arguments; mismatched calls.
 
 The interpreter runs each program as Python, so sizes are small and programs
-few; the whole file takes 3 to 5 minutes on 2 busy cores.
+few; the whole file takes 4 to 8 minutes on 2 busy cores.
 """
 import ctypes
 import hashlib
@@ -495,3 +498,286 @@ def test_agreement_round_against_a_kernel_call_raises_on_both():
     assert messages[0] == messages[1]
     assert "rank 0: 400 bytes, Float, sum, agreement only, torch.distributed fallback" in messages[0], messages[0]
     assert "rank 1: 400 bytes, Float, sum, one_shot, staged" in messages[0], messages[0]
+
+
+# ---- reduce-scatter and all-gather (protocol.h kReduceScatter, kAllGather) ----------
+
+GATHER_DTYPES = (torch.float32, torch.int64, torch.uint8, torch.bool)
+
+
+def segment_sizes(dtype):
+    """numel of one segment: tiny, a chunk and a bit, three chunks and a bit.
+    The last still fits W = 4 segments at their 16 KiB strides in MAX_BYTES."""
+    chunk = chunk_elems(dtype)
+    return (1, chunk + 3, 3 * chunk + 5)
+
+
+def segment_plan(seed):
+    """Every rank builds the same shuffled list of calls for one set of
+    regions, each (kind, dtype, segment numel, average, in place, exact, key):
+    a reduce-scatter ("rs") of each dtype and size, sums of exact inputs and
+    averages of random ones, in place (out = segment `rank` of the input) and
+    not; an all-reduce ("ar") of each reduce-scatter's inputs (same key), by
+    one-shot and two-shot in turn; an all-gather ("ag") of each gather dtype
+    and size, in place (input = segment `rank` of out) and not."""
+    plan = []
+    for d, dtype in enumerate(DTYPES):
+        n1, n2, n3 = segment_sizes(dtype)
+        for n, average, in_place in ((n1, False, d == 1), (n2, True, True), (n3, False, d != 1), (n3, True, False)):
+            key = len(plan)
+            plan.append(("rs", dtype, n, average, in_place, not average, key))
+            plan.append(("ar", dtype, n, average, False, not average, key))
+    for d, dtype in enumerate(GATHER_DTYPES):
+        for j, n in enumerate(segment_sizes(dtype)):
+            plan.append(("ag", dtype, n, False, (d + j) % 2 == 1, True, len(plan)))
+    random.Random(seed).shuffle(plan)
+    return plan
+
+
+def segment_inputs(kind, dtype, n, exact, key, world):
+    """Every rank's input of a plan entry (the same on every rank)."""
+    if kind != "ag":
+        if exact:
+            return [exact_input(world * n, q, dtype, salt=key) for q in range(world)]
+        return [random_input(world * n, q, dtype, seed=key) for q in range(world)]
+    g = torch.Generator().manual_seed(key)
+    if dtype.is_floating_point:
+        return [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+    if dtype == torch.bool:
+        return [torch.randint(0, 2, (n,), generator=g).bool() for _ in range(world)]
+    info = torch.iinfo(dtype)
+    return [torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype) for _ in range(world)]
+
+
+def as_bytes(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def segments_back_to_back(rank, world, nblocks, seed):
+    """Runs the plan back to back on one set of regions (counters near the
+    wrap), with random per-rank delays, mutating inputs and outputs right after
+    each call; then checks every result. Returns the failures, the
+    reduce-scatter and all-reduce results by key and digests of the gathers."""
+    from pyallreduce import triton_kernels as tk
+    from pyallreduce.transport import HostShmTransport
+
+    plan = segment_plan(seed)
+    inputs = {key: segment_inputs(kind, dtype, n, exact, key, world)
+              for kind, dtype, n, _, _, exact, key in plan if kind != "ar"}
+    delays = random.Random(seed * 100 + rank)  # differs per rank
+    results = []
+    t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
+    try:
+        start_near_wrap(t, nblocks, NEAR_WRAP)
+        args = (t.regions, rank, world, MAX_BYTES, nblocks)
+        for i, (kind, dtype, n, average, in_place, _, key) in enumerate(plan):
+            x = inputs[key][rank].clone()
+            mine = slice(rank * n, (rank + 1) * n)
+            if delays.random() < 0.3:
+                time.sleep(delays.random() * 0.02)
+            if kind == "ar":
+                out = torch.full_like(x, 77)
+                tk.all_reduce(x, out, *args, i % 2, average, TIMEOUT_S)
+            elif kind == "rs":
+                out = x[mine] if in_place else torch.full((n,), 77, dtype=dtype)
+                tk.reduce_scatter(x, out, *args, average, TIMEOUT_S)
+            else:
+                out = torch.full((world * n,), 77, dtype=dtype)
+                if in_place:
+                    out[mine] = x
+                    x = out[mine]
+                tk.all_gather(x, out, *args, TIMEOUT_S)
+            results.append(out.clone())
+            # The caller owns its buffers again at once: peers read the staging copy.
+            x.fill_(100)
+            out.fill_(-100 if dtype.is_signed else 0)
+    finally:
+        t.close()
+
+    failures, reduced, gathered = [], {}, []
+    all_reduced = {key: got for (kind, *_, key), got in zip(plan, results) if kind == "ar"}
+    for i, ((kind, dtype, n, average, in_place, exact, key), got) in enumerate(zip(plan, results)):
+        what = f"call {i}: {kind} segment numel={n} {dtype} average={average} in_place={in_place}"
+        if kind == "ag":
+            if not torch.equal(as_bytes(got), as_bytes(torch.cat(inputs[key]))):
+                failures.append(f"{what}: not every rank's input in rank order")
+            gathered.append(hashlib.sha1(as_bytes(got).numpy().tobytes()).hexdigest())
+            continue
+        xs = inputs[key]
+        part = slice(rank * n, (rank + 1) * n) if kind == "rs" else slice(None)
+        want = fp32_reduction([x[part] for x in xs], average)
+        if not torch.equal(bits(got), bits(want)):
+            bad = (bits(got) != bits(want)).nonzero().flatten()[:5].tolist()
+            failures.append(f"{what}: differs from the fp32 rank-order sum at {bad}")
+        if exact and not torch.equal(got.double(), exact_sum(world * n, world, torch.float64, salt=key)[part]):
+            failures.append(f"{what}: not the exact sum")
+        if kind == "rs":
+            reduced[key] = got
+            if not torch.equal(bits(got), bits(all_reduced[key][part])):
+                failures.append(f"{what}: differs from this rank's segment of the all-reduce")
+    return failures, reduced, all_reduced, gathered
+
+
+# nblocks 1: a rank can run a whole call ahead of a peer that still reads (see
+# above). W = 3 with 3 programs: segments (2 or 4 chunks) cut the groups of 3
+# chunks, which go round-robin over the programs.
+@pytest.mark.parametrize("world,nblocks", [(2, 1), (3, 3), (4, 1)])
+def test_reduce_scatter_and_all_gather_between_all_reduces_are_bitwise_exact(world, nblocks):
+    results = run_ranks(segments_back_to_back, world, nblocks, 5 + world, timeout=300, env=ENV)
+    failures = [f"rank {r}: {f}" for r, (fails, *_) in enumerate(results) for f in fails]
+    assert not failures, "\n".join(failures[:20])
+    _, _, all_reduced, gathered = results[0]
+    for r in range(1, world):
+        assert results[r][3] == gathered, f"rank {r}'s all-gathers differ from rank 0's"
+    # Across ranks: rank r's reduce-scatter is segment r of every rank's all-reduce.
+    for key in all_reduced:
+        segments = torch.cat([results[r][1][key] for r in range(world)])
+        for r in range(world):
+            assert torch.equal(bits(segments), bits(results[r][2][key])), \
+                f"plan key {key}: the ranks' reduce-scatters differ from rank {r}'s all-reduce"
+
+
+def expect_mismatch(fn, call, e, descs):
+    """fn must raise CallMismatch with the message every rank builds from the
+    ranks' descriptors (bytes, epoch, kind) of call `call` at epoch e."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+
+    with pytest.raises(tk.CallMismatch) as raised:
+        fn()
+    want = _C.mismatch_message(call, e, descs)
+    assert str(raised.value) == want, f"{raised.value}\n--- expected:\n{want}"
+    return want
+
+
+def segments_refused_and_mismatched(rank, world):
+    """W = 3. Refusals first (checked before any signalling, so they cost no
+    epoch); then calls where the ranks disagree, each followed by a matching
+    call that must be exact: every rank raises the same CallMismatch and
+    nothing is written. Returns the messages."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+    from pyallreduce.transport import HostShmTransport
+
+    assert world == 3
+    nblocks, n, f32 = 2, 1000, torch.float32
+    t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
+    messages = []
+    try:
+        args = (t.regions, rank, world, MAX_BYTES, nblocks)
+        others = (rank + 1) % world
+        # 3 segments of 16388 bytes: 49164 bytes of input, but at 24576-byte strides.
+        with pytest.raises(ValueError, match=r"16388-byte segments stages 3 x 24576 bytes .* 73728 in all, .*"
+                                             r"\(max_bytes=65536\); the caller chunks"):
+            tk.reduce_scatter(torch.ones(3 * 4097), torch.empty(4097), *args, False, TIMEOUT_S)
+        with pytest.raises(ValueError, match=r"all_gather of 65544 bytes per rank exceeds the staging buffer"):
+            tk.all_gather(torch.ones(8193, dtype=torch.int64), torch.empty(3 * 8193, dtype=torch.int64), *args,
+                          TIMEOUT_S)
+        x = torch.ones(world * n)
+        base = torch.ones(world * n + 1)
+        for out, inp, fn in ((x[others * n:(others + 1) * n], x, tk.reduce_scatter),
+                             (base[rank * n + 1:(rank + 1) * n + 1], base[:world * n], tk.reduce_scatter),
+                             (x, x[others * n:(others + 1) * n], tk.all_gather),
+                             (base[:world * n], base[rank * n + 1:(rank + 1) * n + 1], tk.all_gather)):
+            what = "reduce_scatter" if fn is tk.reduce_scatter else "all_gather"
+            extra = (False,) if fn is tk.reduce_scatter else ()
+            with pytest.raises(ValueError, match=rf"input and out of {what} overlap; pass separate tensors, or as "
+                                                 rf"(out|input) exactly this rank's segment"):
+                fn(inp, out, *args, *extra, TIMEOUT_S)
+        with pytest.raises(ValueError, match=r"input.numel\(\) == world size \(3\) x out.numel\(\), got 3001 and 1000"):
+            tk.reduce_scatter(torch.ones(world * n + 1), torch.empty(n), *args, False, TIMEOUT_S)
+        with pytest.raises(TypeError, match="not supported"):
+            tk.reduce_scatter(torch.ones(world * n, dtype=torch.int32), torch.empty(n, dtype=torch.int32), *args,
+                              False, TIMEOUT_S)
+        with pytest.raises(ValueError, match="one dtype and device"):
+            tk.all_gather(torch.ones(n), torch.empty(world * n, dtype=torch.int32), *args, TIMEOUT_S)
+
+        start_near_wrap(t, nblocks, NEAR_WRAP)
+        calls = 0
+
+        def kind(dtype, algo, average=False, in_place=False, mode=_C.MODE_STAGED):
+            return _C.desc_kind(_C.dtype_code(dtype), algo, mode, average, in_place)
+
+        def next_call():
+            nonlocal calls
+            calls += 1
+            return calls, (NEAR_WRAP + calls) & 0xFFFFFFFF
+
+        def matching_call_is_exact():
+            call, _ = next_call()
+            x = exact_input(world * n, rank, f32, salt=call)
+            out = torch.empty(n)
+            tk.reduce_scatter(x, out, *args, False, TIMEOUT_S, call=call)
+            assert torch.equal(out, exact_sum(world * n, world, f32, salt=call)[rank * n:(rank + 1) * n])
+
+        # The same bytes (W * n floats) as reduce-scatter, all-reduce and all-gather.
+        call, e = next_call()
+        x = exact_input(world * n, rank, f32)
+        sentinel = torch.full((world * n,), SENTINEL)
+        out = sentinel.clone()
+        fns = [lambda: tk.reduce_scatter(x, out[:n], *args, False, TIMEOUT_S, call=call),
+               lambda: tk.all_reduce(x, out, *args, _C.ONE_SHOT, False, TIMEOUT_S, call=call),
+               lambda: tk.all_gather(x[:n], out, *args, TIMEOUT_S, call=call)]
+        algos = [_C.REDUCE_SCATTER, _C.ONE_SHOT, _C.ALL_GATHER]
+        messages.append(expect_mismatch(fns[rank], call, e, [(world * n * 4, e, kind(f32, a)) for a in algos]))
+        assert torch.equal(out, sentinel) and torch.equal(x, exact_input(world * n, rank, f32)), "written"
+        matching_call_is_exact()
+
+        # In place on rank 0 only (out = its segment of the input).
+        call, e = next_call()
+        out = torch.full((n,), SENTINEL)
+        fn = lambda: tk.reduce_scatter(x, x[:n] if rank == 0 else out, *args, True, TIMEOUT_S, call=call)  # noqa: E731
+        descs = [(world * n * 4, e, kind(f32, _C.REDUCE_SCATTER, True, q == 0)) for q in range(world)]
+        messages.append(expect_mismatch(fn, call, e, descs))
+        assert torch.equal(x, exact_input(world * n, rank, f32)) and bool((out == SENTINEL).all()), "written"
+        matching_call_is_exact()
+
+        # All-gathers of the same bytes that differ in dtype only: a byte copy still pairs only equal calls.
+        call, e = next_call()
+        dtype = torch.int64 if rank == 0 else torch.float64
+        out = torch.zeros(world * n, dtype=dtype)
+        fn = lambda: tk.all_gather(torch.ones(n, dtype=dtype), out, *args, TIMEOUT_S, call=call)  # noqa: E731
+        descs = [(world * n * 8, e, kind(torch.int64 if q == 0 else torch.float64, _C.ALL_GATHER))
+                 for q in range(world)]
+        messages.append(expect_mismatch(fn, call, e, descs))
+        assert not bool(out.any()), "written"
+        call, _ = next_call()
+        out = torch.zeros(world * n, dtype=torch.int64)
+        tk.all_gather(torch.full((n,), rank + 1, dtype=torch.int64), out, *args, TIMEOUT_S, call=call)
+        assert torch.equal(out, torch.arange(1, world + 1).repeat_interleave(n))
+
+        # Agreement rounds (torch.distributed fallbacks) of reduce-scatter and all-gather.
+        f64, fallback = _C.dtype_code(torch.float64), _C.MODE_FALLBACK
+        call, _ = next_call()
+        tk.agree(f64, 800, fallback, False, False, *args[:3], nblocks, TIMEOUT_S, "cpu", call=call,
+                 algo=_C.REDUCE_SCATTER)
+        call, e = next_call()
+        algo = _C.REDUCE_SCATTER if rank == 0 else _C.ALL_GATHER
+        fn = lambda: tk.agree(f64, 800, fallback, False, False, *args[:3], nblocks, TIMEOUT_S, "cpu",  # noqa: E731
+                              call=call, algo=algo)
+        descs = [(800, e, kind(torch.float64, _C.REDUCE_SCATTER if q == 0 else _C.ALL_GATHER, mode=fallback))
+                 for q in range(world)]
+        messages.append(expect_mismatch(fn, call, e, descs))
+        # A fallback reduce-scatter against a kernel one.
+        call, e = next_call()
+        out = torch.full((n,), SENTINEL)
+        if rank == 0:
+            fn = lambda: tk.agree(_C.dtype_code(f32), world * n * 4, fallback, False, False,  # noqa: E731
+                                  *args[:3], nblocks, TIMEOUT_S, "cpu", call=call, algo=_C.REDUCE_SCATTER)
+        else:
+            fn = lambda: tk.reduce_scatter(x, out, *args, False, TIMEOUT_S, call=call)  # noqa: E731
+        descs = [(world * n * 4, e, kind(f32, _C.REDUCE_SCATTER, mode=fallback if q == 0 else _C.MODE_STAGED))
+                 for q in range(world)]
+        messages.append(expect_mismatch(fn, call, e, descs))
+        assert bool((out == SENTINEL).all()), "written"
+        matching_call_is_exact()
+    finally:
+        t.close()
+    return messages
+
+
+def test_reduce_scatter_and_all_gather_refuse_bad_calls_and_raise_on_every_rank_when_calls_differ():
+    messages = run_ranks(segments_refused_and_mismatched, 3, timeout=240, env=ENV)
+    assert messages[1] == messages[0] and messages[2] == messages[0], "the ranks raised differently"
+    assert "rank 0: 12000 bytes, Float, sum, reduce_scatter, staged" in messages[0][0], messages[0][0]
+    assert "rank 2: 12000 bytes, Float, sum, all_gather, staged" in messages[0][0], messages[0][0]

@@ -1,6 +1,6 @@
 """The Triton kernels compiled for real GPU targets, without a GPU (issue 12
-item 6): every kernel x fp32/fp16/bf16 for sm_80, sm_90 and sm_100 with
-Triton's own compiler and its bundled ptxas. The interpreter accepts code a
+item 6): every kernel x fp32/fp16/bf16 (all-gather: bytes) for sm_80, sm_90
+and sm_100 with Triton's own compiler and its bundled ptxas. The interpreter accepts code a
 GPU cannot run (non-constexpr globals, for one); this test catches that and
 checks what the hardware needs:
 
@@ -50,12 +50,14 @@ def _compile_all():
     from triton.compiler import ASTSource
 
     from pyallreduce import _C
-    from pyallreduce.triton_kernels import one_shot, signal, two_shot
+    from pyallreduce.triton_kernels import one_shot, scatter_gather, signal, two_shot
 
     assert not signal.INTERPRET and one_shot.NUM_WARPS == NUM_WARPS
-    elem = {"fp32": 4, "fp16": 2, "bf16": 2}
+    elem = {"fp32": 4, "fp16": 2, "bf16": 2, "u8": 1}
     kernels = [("one_shot", one_shot._kernel, d) for d in DTYPES] + \
-              [("two_shot", two_shot._kernel, d) for d in DTYPES] + [("agree", signal._agree_kernel, None)]
+              [("two_shot", two_shot._kernel, d) for d in DTYPES] + \
+              [("reduce_scatter", scatter_gather._reduce_scatter_kernel, d) for d in DTYPES] + \
+              [("all_gather", scatter_gather._all_gather_kernel, "u8"), ("agree", signal._agree_kernel, None)]
     rows = []
     for arch in TARGETS:
         for name, fn, dtype in kernels:
@@ -63,10 +65,13 @@ def _compile_all():
                    "desc_bytes": "i64", "kind": "i32", "call": "i64", "WORLD_SIZE": "constexpr"}
             constexprs = {"WORLD_SIZE": WORLD_SIZE}
             if dtype is not None:
-                sig.update({"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n_elements": "i32", "max_bytes": "i32",
-                            "CHUNK": "constexpr", "AVERAGE": "constexpr"})
-                constexprs.update({"CHUNK": one_shot.CHUNK_BYTES // elem[dtype], "AVERAGE": True})
+                sig.update({"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n_elements": "i32", "n_bytes": "i32",
+                            "max_bytes": "i32", "CHUNK": "constexpr", "SEGMENT": "constexpr",
+                            "AVERAGE": "constexpr"})
+                constexprs.update({"CHUNK": one_shot.CHUNK_BYTES // elem[dtype],
+                                   "SEGMENT": _C.SEGMENT_UNIT // elem[dtype], "AVERAGE": True})
             sig = {n: sig[n] for n in fn.arg_names}
+            constexprs = {n: v for n, v in constexprs.items() if n in sig}
             # What the launcher's specialisation gives aligned tensors; n_elements
             # and max_bytes get none (n not a multiple of 16).
             attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -106,7 +111,7 @@ def _name(row):
 
 
 def test_every_kernel_compiles_to_ptx_and_cubin_for_every_target(rows):
-    assert len(rows) == len(TARGETS) * (2 * len(DTYPES) + 1)
+    assert len(rows) == len(TARGETS) * (3 * len(DTYPES) + 2)
     for row in rows:
         assert row["ptx_bytes"] > 0 and row["cubin_bytes"] > 0, _name(row)
 
@@ -118,7 +123,13 @@ def test_bulk_loops_use_128_bit_accesses_when_n_is_not_a_multiple_of_16(rows):
         v = row["vectors_per_thread"]  # per thread per chunk: 16 bytes each
         # one-shot: copy-in reads the input, the sum reads W staging buffers;
         # two-shot: copy-in, the owned sum over W buffers, the gather.
-        loads, stores = {"one_shot": (1 + WORLD_SIZE, 2), "two_shot": (2 + WORLD_SIZE, 3)}[row["kernel"]]
+        # reduce-scatter: the sum over W buffers, its store and copy-in's
+        # store (input segment q starts at q * n elements: no 16-byte
+        # alignment to prove for copy-in's loads); all-gather: copy-in and
+        # the read of each peer's buffer, copy-in's store (out segment q
+        # starts at q * n bytes).
+        loads, stores = {"one_shot": (1 + WORLD_SIZE, 2), "two_shot": (2 + WORLD_SIZE, 3),
+                         "reduce_scatter": (WORLD_SIZE, 2), "all_gather": (2, 1)}[row["kernel"]]
         assert row["v4_loads"] >= loads * v, f"{_name(row)}: {row['v4_loads']} 128-bit loads, want {loads * v}"
         assert row["v4_stores"] >= stores * v, f"{_name(row)}: {row['v4_stores']} 128-bit stores, want {stores * v}"
 

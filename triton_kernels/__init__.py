@@ -1,4 +1,5 @@
-"""The all-reduce kernels in Triton (installed as pyallreduce.triton_kernels).
+"""The collective kernels in Triton (installed as pyallreduce.triton_kernels):
+all-reduce (one-shot, two-shot), reduce-scatter and all-gather.
 
 Same protocol and same bits as the C++ backends (csrc/common/protocol.h,
 docs/architecture.md). On CUDA tensors the regions are CUDA IPC mappings; on
@@ -10,9 +11,9 @@ import torch
 
 from pyallreduce import _C
 
-from . import one_shot, signal, two_shot
+from . import one_shot, scatter_gather, signal, two_shot
 
-__all__ = ["CallMismatch", "agree", "all_reduce"]
+__all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "reduce_scatter"]
 
 
 class CallMismatch(RuntimeError):
@@ -72,6 +73,45 @@ def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):
     _check_group(regions, rank, world_size, nblocks, input.device)
 
 
+def _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters):
+    """The checks of reduce_scatter (scatters) and all_gather, before any
+    signalling; returns whether the call is in place (protocol.h: the one
+    aliasing allowed, the segment being exactly segment `rank` of the whole)."""
+    name, whole_name, segment_name = ("reduce_scatter", "input", "out") if scatters else ("all_gather", "out", "input")
+    segment, whole = (out, input) if scatters else (input, out)
+    _check_group(regions, rank, world_size, nblocks, input.device)
+    if scatters and input.dtype not in _DTYPES:
+        raise TypeError(f"pyallreduce: dtype {input.dtype} is not supported (float32, float16, bfloat16)")
+    if out.dtype != input.dtype or out.device != input.device:
+        raise ValueError(f"pyallreduce: {name} needs input and out of one dtype and device")
+    if whole.numel() != world_size * segment.numel():
+        raise ValueError(f"pyallreduce: {name} needs {whole_name}.numel() == world size ({world_size}) x "
+                         f"{segment_name}.numel(), got {whole.numel()} and {segment.numel()}")
+    if not (input.is_contiguous() and out.is_contiguous()):
+        raise ValueError("pyallreduce: the Triton kernels need contiguous tensors")
+    if max_bytes <= 0 or max_bytes % _C.ALIGNMENT != 0:
+        raise ValueError(f"pyallreduce: max_bytes must be a positive multiple of {_C.ALIGNMENT}")
+    if scatters:
+        # Segments sit segment_stride(S) apart in staging (protocol.h).
+        staged = world_size * _C.segment_stride(segment.nbytes)
+        if staged > max_bytes:
+            raise ValueError(f"pyallreduce: reduce_scatter of {segment.nbytes}-byte segments stages {world_size} x "
+                             f"{_C.segment_stride(segment.nbytes)} bytes (segments start {_C.SEGMENT_UNIT}-byte "
+                             f"aligned), {staged} in all, more than the staging buffer (max_bytes={max_bytes}); "
+                             "the caller chunks")
+    elif segment.nbytes > max_bytes:
+        raise ValueError(f"pyallreduce: all_gather of {segment.nbytes} bytes per rank exceeds the staging buffer "
+                         f"(max_bytes={max_bytes}); the caller chunks")
+    in_place = segment.numel() > 0 and segment.data_ptr() == whole.data_ptr() + rank * segment.nbytes
+    start, other = input.data_ptr(), out.data_ptr()
+    overlap = input.numel() > 0 and out.numel() > 0 and start < other + out.nbytes and other < start + input.nbytes
+    if overlap and not in_place:
+        raise ValueError(f"pyallreduce: the input and out of {name} overlap; pass separate tensors, or as "
+                         f"{segment_name} exactly this rank's segment of {whole_name} ({whole_name}[{rank} * n:"
+                         f"{rank + 1} * n], n = {segment.numel()})")
+    return in_place
+
+
 def _on_device(device, fn):
     """Triton launches on the current CUDA device."""
     if device.type != "cuda" or device.index == torch.cuda.current_device():
@@ -110,17 +150,67 @@ def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, 
         _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
 
 
-def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size, nblocks, timeout_s, device, call=0):
+def reduce_scatter(input, out, regions, rank, world_size, max_bytes, nblocks, average, timeout_s, call=0):
+    """out = sum (or mean when average) over the ranks q = 0..W-1, in that
+    order, of segment `rank` of rank q's input: the bits all_reduce gives
+    those elements.
+
+    input: W = world_size segments, input.numel() == W * out.numel()
+        (contiguous, float32, float16 or bfloat16; CPU shared memory or CUDA
+        IPC regions, as all_reduce). out: one segment of the input's dtype; it
+        may be exactly segment `rank` of input (in place), no other overlap.
+    max_bytes: each segment is staged at a multiple of _C.segment_stride(S)
+        (S = out.nbytes), so W * segment_stride(S) <= max_bytes (the caller
+        chunks).
+    Everything else, errors included, as all_reduce: asynchronous on a GPU,
+    finished when it returns under the interpreter.
+    """
+    in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=True)
+    regions_t, status, record = _args_for(regions, input.device)
+    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.REDUCE_SCATTER, _C.MODE_STAGED, average, in_place)
+    args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
+            max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
+    _on_device(input.device, lambda: scatter_gather.launch_reduce_scatter(*args))
+    if not input.is_cuda:  # the interpreter has finished the call
+        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+
+
+def all_gather(input, out, regions, rank, world_size, max_bytes, nblocks, timeout_s, call=0):
+    """Segment q of out = rank q's input, for q = 0..W-1 (W = world_size).
+
+    input: any dtype (the bytes are copied), contiguous, input.nbytes <=
+        max_bytes (the caller chunks). out: W * input.numel() elements of the
+        input's dtype; input may be exactly segment `rank` of out (in place),
+        no other overlap.
+    Everything else, errors included, as all_reduce.
+    """
+    in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=False)
+    regions_t, status, record = _args_for(regions, input.device)
+    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.ALL_GATHER, _C.MODE_STAGED, False, in_place)
+    args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, max(1, int(timeout_s * 1e9)),
+            out.nbytes, kind, call)
+    _on_device(input.device, lambda: scatter_gather.launch_all_gather(*args))
+    if not input.is_cuda:
+        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+
+
+def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size, nblocks, timeout_s, device, call=0,
+          algo=_C.AGREE_ONLY):
     """The agreement round (protocol.h kAgreeOnly) for a call that moves no data
     through the kernels (a torch.distributed fallback: mode MODE_FALLBACK; an
     empty tensor: MODE_STAGED). Publishes the call's descriptor, meets the
     peers at the start barrier and raises CallMismatch unless every rank
-    published the same. Synchronous on a GPU too: the caller acts on the answer."""
+    published the same. Synchronous on a GPU too: the caller acts on the answer.
+    algo: the descriptor's algo field: AGREE_ONLY for an all-reduce,
+    REDUCE_SCATTER or ALL_GATHER for the round of such a call, so that
+    fallbacks of different collectives do not pair."""
     device = torch.device(device)
     _check_group(regions, rank, world_size, nblocks, device)
     regions_t, status, record = _args_for(regions, device)
     _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
-    kind = _C.desc_kind(dtype_code, _C.AGREE_ONLY, mode, average, in_place)
+    kind = _C.desc_kind(dtype_code, algo, mode, average, in_place)
 
     def run():
         signal._agree_kernel[(nblocks,)](regions_t, status, rank, max(1, int(timeout_s * 1e9)), nbytes, kind, call,

@@ -35,7 +35,9 @@ NUM_WARPS = 4
 # Python's (flooring, on the interpreter's plain ints) agree.
 @triton.jit
 def full_chunks(n_elements, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """How many full chunks program pid handles: its k runs over 0..this - 1."""
+    """How many of the full chunks below element n_elements (0..n_elements //
+    CHUNK - 1) are program pid's (protocol.h block_rounds): its k-th chunks
+    for k = 0..this - 1."""
     nfull = n_elements // CHUNK
     groups = nfull // WORLD_SIZE  # whole groups; then a partial one of nfull % W chunks
     # Program pid's whole groups are pid, pid + nprog, ... below `groups`.
@@ -118,16 +120,22 @@ def copy_chunk(src_ptr, dst_ptr, c, n_elements, CHUNK: tl.constexpr, TAIL: tl.co
 
 
 @triton.jit
-def copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """Copies this program's chunks of the input (in_ptr: *T) into own_buf (*T,
-    this rank's staging buffer): peers read the copy, so the caller may reuse
-    its input as soon as the call returns."""
-    for k in range(0, full_chunks(n_elements, pid, nprog, CHUNK, WORLD_SIZE)):
+def copy_in(in_ptr, own_buf, begin, end, pid, nprog, CHUNK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Copies this program's chunks of the input (in_ptr: *T, end - begin
+    elements) into elements begin..end - 1 of own_buf (*T, this rank's staging
+    buffer; begin a multiple of CHUNK): peers read the copy, so the caller may
+    reuse its input as soon as the call returns. All-reduce stages its input
+    at 0; reduce-scatter each segment at its own begin. Program pid's chunks
+    of the range are its k-th for k from (its chunks below begin) to (its
+    full chunks below end), then the partial last one."""
+    src = in_ptr - begin  # src + i: the input element for staging element i
+    k_begin = full_chunks(begin, pid, nprog, CHUNK, WORLD_SIZE)
+    for k in range(k_begin, full_chunks(end, pid, nprog, CHUNK, WORLD_SIZE)):
         c = (pid + k // WORLD_SIZE * nprog) * WORLD_SIZE + k % WORLD_SIZE
-        copy_chunk(in_ptr, own_buf, c, n_elements, CHUNK, False, False, True)
-    tail = tail_chunk(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+        copy_chunk(src, own_buf, c, end, CHUNK, False, False, True)
+    tail = tail_chunk(end, pid, nprog, CHUNK, WORLD_SIZE)
     if tail >= 0:
-        copy_chunk(in_ptr, own_buf, tail, n_elements, CHUNK, True, False, True)
+        copy_chunk(src, own_buf, tail, end, CHUNK, True, False, True)
 
 
 @triton.jit
@@ -166,7 +174,7 @@ def _kernel(
     own = tl.load(regions_ptr + rank)
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
-    copy_in(in_ptr, (own + staging).to(tl.pointer_type(T)), n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+    copy_in(in_ptr, (own + staging).to(tl.pointer_type(T)), 0, n_elements, pid, nprog, CHUNK, WORLD_SIZE)
     # No mid barrier: start_call also refreshes the mid flags (the wrap fix).
     if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False,
                   WORLD_SIZE):

@@ -34,7 +34,7 @@ def _kernel(
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
     own_buf = (own + staging).to(tl.pointer_type(T))
-    copy_in(in_ptr, own_buf, n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+    copy_in(in_ptr, own_buf, 0, n_elements, pid, nprog, CHUNK, WORLD_SIZE)
     if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, True,
                   WORLD_SIZE):
         # Chunk c is program (c // W) % nprog's and rank c % W's (protocol.h

@@ -41,7 +41,7 @@ struct Context {
   // Collectives started on this context (agreement rounds included): the "call
   // N" of error messages, counted from 1.
   int64_t calls = 0;
-  // Host backend (csrc/cpu/all_reduce.cpp, host_all_reduce): calls left for
+  // Host backend (csrc/cpu/all_reduce.cpp, run_rounds): calls left for
   // which this rank still reports contended cores (its hint kDescContended),
   // and whether any rank's hint said so in the last call, which every rank
   // reads alike.

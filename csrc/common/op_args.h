@@ -11,11 +11,14 @@
 namespace pyallreduce {
 
 // Raises unless input/out are contiguous tensors of one supported dtype and
-// numel, on the context's device, fitting one staging buffer, and algo is known.
+// fitting sizes (the same numel for all-reduce; W segments on one side for
+// kReduceScatter/kAllGather), on the context's device, fitting the staging
+// buffers, overlapping only as protocol.h allows, and algo is known.
 void check_collective_args(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
                            int64_t algo);
 
-// Backends register one implementation; the three op entry points share it.
+// Backends register one implementation; every op entry point shares it (algo:
+// kOneShot, kTwoShot, kReduceScatter, kAllGather).
 using AllReduceImpl = void (*)(Context& ctx, const at::Tensor& input, at::Tensor& out,
                                int64_t algo, bool average);
 
@@ -29,7 +32,7 @@ void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input,
                     int64_t algo, bool average);
 
 // The same Impls by device type, for the eager entry point that skips the
-// dispatcher (pyallreduce._C.try_all_reduce_eager; see csrc/module.cpp).
+// dispatcher (pyallreduce._C.try_collective_eager; see csrc/module.cpp).
 bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl);
 
 // A backend's agreement round (protocol.h, kAgreeOnly): publishes `desc` (its
@@ -43,7 +46,7 @@ bool register_agree_impl(c10::DeviceType type, AgreeImpl impl);
 // desc_kind's dtype field for a tensor's dtype.
 inline uint32_t dtype_code(at::ScalarType t) { return static_cast<uint32_t>(t); }
 
-// The three op entry points (schemas in csrc/module.cpp) over one backend's Impl.
+// The op entry points (schemas in csrc/module.cpp) over one backend's Impl.
 template <AllReduceImpl Impl>
 struct OpEntryPoints {
   static at::Tensor all_reduce(const at::Tensor& input, int64_t handle, int64_t algo, bool average) {
@@ -57,6 +60,12 @@ struct OpEntryPoints {
   }
   static void all_reduce_inplace(at::Tensor tensor, int64_t handle, int64_t algo, bool average) {
     run_collective(Impl, handle, tensor, tensor, algo, average);
+  }
+  static void reduce_scatter_out(const at::Tensor& input, at::Tensor out, int64_t handle, bool average) {
+    run_collective(Impl, handle, input, out, kReduceScatter, average);
+  }
+  static void all_gather_out(const at::Tensor& input, at::Tensor out, int64_t handle) {
+    run_collective(Impl, handle, input, out, kAllGather, false);
   }
 };
 
@@ -72,4 +81,6 @@ struct OpEntryPoints {
     m.impl("all_reduce", &Entry::all_reduce);                                     \
     m.impl("all_reduce_out", &Entry::all_reduce_out);                             \
     m.impl("all_reduce_", &Entry::all_reduce_inplace);                            \
+    m.impl("reduce_scatter_out", &Entry::reduce_scatter_out);                     \
+    m.impl("all_gather_out", &Entry::all_gather_out);                             \
   }

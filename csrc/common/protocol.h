@@ -101,7 +101,8 @@ inline constexpr int64_t desc_offset(uint32_t epoch, int block, int rank) {
 // smaller peer's data, or barriers that never meet. `kind` packs:
 //   bits 0-7   dtype: the c10::ScalarType value (torch's numbering, the same on
 //              every rank of one installation; Python: pyallreduce._C.dtype_code)
-//   bits 8-15  algo: kOneShot, kTwoShot, or kAgreeOnly (no data moves)
+//   bits 8-15  algo: kOneShot, kTwoShot, kAgreeOnly (no data moves),
+//              kReduceScatter, kAllGather
 //   bits 16-23 mode: kStaged..kRegisteredInPlace (CUDA), kModeFallback
 //   bit 24     average
 //   bit 25     in place
@@ -124,6 +125,37 @@ __host__ __device__
 #endif
 inline bool same_call(const CallDesc& a, const CallDesc& b) {
   return a.bytes == b.bytes && a.epoch == b.epoch && ((a.kind ^ b.kind) & kDescCompared) == 0;
+}
+
+// Reduce-scatter and all-gather: the two halves of two-shot, as collectives
+// of their own (torch.distributed's reduce_scatter_tensor and
+// all_gather_into_tensor). One epoch per call, no mid barrier (the start
+// barrier also stores the mid flags, as one-shot does), so the one-shot
+// argument for rewriting a staging buffer two calls later holds as is.
+// S is the per-rank segment: reduce-scatter's output, all-gather's input; the
+// descriptor's `bytes` is W * S (the larger tensor) for both.
+//   reduce-scatter  input = W segments of S; out = sum over q in rank order of
+//                   segment `rank` of rank q's input (fp32 accumulation, avg
+//                   divides by W), the bits of one-shot's sum of those bytes.
+//                   Staging holds the segments at segment_stride(S) apart.
+//   all-gather      input = S bytes (any dtype: a byte copy); out = W
+//                   segments, segment q is rank q's input. Staging holds S.
+// A GPU block copies in and reads the same staging chunks in every call: the
+// chunk of staging offset o is o / chunk bytes, its block chunk_block(...),
+// as for all-reduce; the caller chunks calls larger than staging. The host
+// backend (one block) runs any size in rounds, each a piece of every segment
+// with its own layout (csrc/cpu/all_reduce.cpp).
+// Aliasing: reduce-scatter's out may be exactly segment `rank` of its input,
+// all-gather's input exactly segment `rank` of its out (FSDP2 does this);
+// any other overlap is refused.
+constexpr int64_t kReduceScatter = 3;
+constexpr int64_t kAllGather = 4;
+// Reduce-scatter segments start at multiples of this in staging, so every
+// backend's chunk (CUDA 8 KiB, Triton 4 KiB, host cache lines) lies inside
+// one segment and vector accesses stay aligned.
+constexpr int64_t kSegmentUnit = 8192;
+inline constexpr int64_t segment_stride(int64_t segment_bytes) {
+  return (segment_bytes + kSegmentUnit - 1) / kSegmentUnit * kSegmentUnit;
 }
 
 // A call that moves no data through the kernels: the agreement round a rank

@@ -1,5 +1,5 @@
-// One-shot and two-shot all-reduce over host shared memory (protocol in
-// csrc/common/protocol.h). One "block" per rank: the rank's thread runs the
+// One-shot and two-shot all-reduce, reduce-scatter and all-gather over host
+// shared memory (protocol in csrc/common/protocol.h). One "block" per rank: the rank's thread runs the
 // barriers, and at::parallel_for spreads the copies and sums over the intra-op
 // threads between them (one thread with OMP_NUM_THREADS=1).
 #include <ATen/Parallel.h>
@@ -29,9 +29,9 @@ constexpr int kBlock = 0;                  // the host backend runs one block pe
 constexpr int64_t kSliceAlignBytes = 64;   // two-shot slice boundaries: one writer per cache line
 constexpr int64_t kTileElems = 512;        // fp32 accumulator tile, stays in L1
 constexpr int64_t kParallelGrainBytes = 256 << 10;
-constexpr int64_t kRoundBytes = 256 << 10;  // see host_all_reduce; a multiple of every element size
+constexpr int64_t kRoundBytes = 256 << 10;  // see run_rounds; a multiple of every element size
 // A long wait inside a call makes this rank report contended cores for this
-// many calls (see host_all_reduce): once merged, a call has few inner waits
+// many calls (see run_rounds): once merged, a call has few inner waits
 // left to notice contention with, so one short call must not end it.
 constexpr int kContendedCalls = 100;
 
@@ -431,7 +431,7 @@ void parallel_copy(char* dst, const char* src, int64_t bytes) {
   });
 }
 
-// What one round learnt about waiting (see host_all_reduce).
+// What one round learnt about waiting (see run_rounds).
 struct RoundWaits {
   bool contended = false;    // some rank's descriptor says its cores are contended
   bool long_start = false;   // this rank waited long in the start barrier
@@ -496,34 +496,112 @@ RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, c
 
 // Large messages go in rounds of kRoundBytes: each round's staging copy is still
 // in cache when the peers read it, where one round over the whole message would
-// have evicted its start by then (L2 is a few MiB). Costs two barriers per round,
-// which is cheap while every rank has a core to itself, and not when the ranks
-// share cores (more ranks than cores, other busy processes): then each barrier
-// waits for a descheduled peer to get a core back. So a rank that waited long
-// inside a call says so in the descriptors of its next kContendedCalls calls
-// (kDescContended), and after a call in which any rank said so, every rank
-// runs its next call in one round. Every rank reads the same descriptors, so
-// the ranks always agree on the rounds.
-void host_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
-                     bool average) {
-  const int64_t bytes = input.nbytes();
-  const auto* src = static_cast<const char*>(input.data_ptr());
-  auto* dst = static_cast<char*>(out.data_ptr());
-  const uint32_t kind = desc_kind(dtype_code(input.scalar_type()), algo, kModeStaged, average,
-                                  input.data_ptr() == out.data_ptr()) |
-                        (ctx.contended_calls > 0 ? kDescContended : 0u);
-  const CallDesc call{static_cast<uint64_t>(bytes), 0, kind};
-  const int64_t round_bytes = ctx.merge_rounds ? bytes : kRoundBytes;
+// have evicted its start by then (L2 is a few MiB). Costs a barrier or two per
+// round, which is cheap while every rank has a core to itself, and not when the
+// ranks share cores (more ranks than cores, other busy processes): then each
+// barrier waits for a descheduled peer to get a core back. So a rank that
+// waited long inside a call says so in the descriptors of its next
+// kContendedCalls calls (kDescContended), and after a call in which any rank
+// said so, every rank runs its next call in as few rounds as staging allows.
+// Every rank reads the same descriptors, so the ranks always agree on the rounds.
+//
+// run_rounds calls round(done, len) for [0, total) in pieces of round_len, or
+// merged_len after contention, and keeps that bookkeeping.
+template <typename Round>
+void run_rounds(Context& ctx, int64_t total, int64_t round_len, int64_t merged_len, Round&& round) {
+  const int64_t len = ctx.merge_rounds ? merged_len : round_len;
   bool any_contended = false, long_inside = false;
-  for (int64_t done = 0; done < bytes; done += round_bytes) {
-    const RoundWaits waits = all_reduce_round(ctx, call, input.scalar_type(), src + done, dst + done,
-                                              std::min(round_bytes, bytes - done), algo, average);
+  for (int64_t done = 0; done < total; done += len) {
+    const RoundWaits waits = round(done, std::min(len, total - done));
     any_contended = any_contended || waits.contended;
     // The first wait of a call also waits for ranks still computing: not contention.
     long_inside = long_inside || waits.long_mid || (done > 0 && waits.long_start);
   }
   ctx.merge_rounds = any_contended;
   ctx.contended_calls = long_inside ? kContendedCalls : std::max(0, ctx.contended_calls - 1);
+}
+
+// One round of a reduce-scatter (protocol.h kReduceScatter) over bytes
+// [a, a + len) of every segment of S bytes: the peers' pieces of the input go
+// to staging, `stride` apart; this rank's piece, which only it reads, is
+// reduced from the input itself (also when out is that very piece: each
+// vector is loaded before its sum is stored).
+RoundWaits reduce_scatter_round(Context& ctx, CallDesc call, at::ScalarType dtype, const char* src, char* dst,
+                                int64_t segment, int64_t a, int64_t len, bool average) {
+  RoundWaits waits;
+  const int world = ctx.world_size;
+  const int64_t elem = at::elementSize(dtype);
+  const int64_t stride = (len + kSliceAlignBytes - 1) / kSliceAlignBytes * kSliceAlignBytes;
+  call.epoch = next_epoch(ctx);
+  const int64_t staging = staging_offset(call.epoch, ctx.max_bytes);
+  char* own = ctx.own_region() + staging;
+  for (int q = 0; q < world; ++q) {
+    if (q != ctx.rank) parallel_copy(own + q * stride, src + q * segment + a, len);
+  }
+  waits.contended = start_call(ctx, call, false, &waits.long_start);
+  char* sources[kMaxRanks];
+  for (int q = 0; q < world; ++q) sources[q] = ctx.regions[q] + staging + ctx.rank * stride;
+  sources[ctx.rank] = const_cast<char*>(src) + ctx.rank * segment + a;
+  at::parallel_for(0, len / elem, kParallelGrainBytes / elem, [&](int64_t b, int64_t end) {
+    reduce_range(dtype, sources, world, dst + a, nullptr, b * elem, end * elem, average);
+  });
+  return waits;
+}
+
+// One round of an all-gather (protocol.h kAllGather): bytes [a, a + len) of
+// the input to staging, then that piece of every peer's into its segment of
+// out. This rank's own piece comes from the input (nothing to do when the
+// input is that segment of out).
+RoundWaits all_gather_round(Context& ctx, CallDesc call, const char* src, char* dst, int64_t segment, int64_t a,
+                            int64_t len) {
+  RoundWaits waits;
+  call.epoch = next_epoch(ctx);
+  const int64_t staging = staging_offset(call.epoch, ctx.max_bytes);
+  parallel_copy(ctx.own_region() + staging, src + a, len);
+  waits.contended = start_call(ctx, call, false, &waits.long_start);
+  for (int i = 0; i < ctx.world_size; ++i) {
+    const int q = (ctx.rank + i) % ctx.world_size;  // ranks start on different peers
+    char* to = dst + q * segment + a;
+    const char* from = q == ctx.rank ? src + a : ctx.regions[q] + staging;
+    if (to != from) parallel_copy(to, from, len);
+  }
+  return waits;
+}
+
+void host_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo, bool average) {
+  const auto* src = static_cast<const char*>(input.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const bool scatters = algo == kReduceScatter, gathers = algo == kAllGather;
+  // protocol.h: reduce-scatter's out and all-gather's input may be this rank's
+  // segment of the other tensor; all-reduce's may be the input itself.
+  const int64_t segment = scatters ? out.nbytes() : input.nbytes();
+  const bool in_place = scatters   ? src + ctx.rank * segment == dst
+                        : gathers ? dst + ctx.rank * segment == src
+                                  : src == dst;
+  const int64_t bytes = scatters || gathers ? ctx.world_size * segment : segment;
+  const uint32_t kind = desc_kind(dtype_code(input.scalar_type()), algo, kModeStaged, average, in_place) |
+                        (ctx.contended_calls > 0 ? kDescContended : 0u);
+  const CallDesc call{static_cast<uint64_t>(bytes), 0, kind};
+  if (!(scatters || gathers)) {
+    return run_rounds(ctx, bytes, kRoundBytes, bytes, [&](int64_t done, int64_t len) {
+      return all_reduce_round(ctx, call, input.scalar_type(), src + done, dst + done, len, algo, average);
+    });
+  }
+  // A round moves a piece of every segment: W pieces of kRoundBytes / W, as
+  // much traffic as an all-reduce round; merged, as much as staging holds.
+  // Multiples of kSliceAlignBytes, which every element size divides.
+  auto piece = [&](int64_t total) {
+    return std::max(kSliceAlignBytes, total / ctx.world_size / kSliceAlignBytes * kSliceAlignBytes);
+  };
+  const int64_t round_len = piece(std::min(kRoundBytes, ctx.max_bytes));
+  if (scatters) {
+    return run_rounds(ctx, segment, round_len, piece(ctx.max_bytes), [&](int64_t a, int64_t len) {
+      return reduce_scatter_round(ctx, call, input.scalar_type(), src, dst, segment, a, len, average);
+    });
+  }
+  run_rounds(ctx, segment, round_len, ctx.max_bytes, [&](int64_t a, int64_t len) {
+    return all_gather_round(ctx, call, src, dst, segment, a, len);
+  });
 }
 
 void host_agree(Context& ctx, CallDesc desc) {
@@ -538,6 +616,6 @@ const char* host_isa() { return kIsaNames[static_cast<int>(cpu_isa())]; }
 
 }  // namespace pyallreduce
 
-PYALLREDUCE_REGISTER_BACKEND(CPU, ::pyallreduce::host_all_reduce)
+PYALLREDUCE_REGISTER_BACKEND(CPU, ::pyallreduce::host_collective)
 static const bool pyallreduce_agree_cpu =
     ::pyallreduce::register_agree_impl(c10::DeviceType::CPU, ::pyallreduce::host_agree);

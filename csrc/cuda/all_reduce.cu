@@ -1,6 +1,7 @@
 // CUDA backend of the pyallreduce ops: picks the source mode (staged or
 // zero-copy registered), builds the kernel arguments and launches
-// csrc/cuda/all_reduce.cuh on the current stream; runs the agreement round
+// csrc/cuda/all_reduce.cuh (all-reduce, reduce-scatter, all-gather) on the
+// current stream; runs the agreement round
 // (cuda_agree) and reports what the kernels recorded in the communicator's
 // status record (a deadline, a mismatch). Argument checks common to every
 // backend already ran (run_collective in csrc/module.cpp). The pure decisions
@@ -530,6 +531,104 @@ bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes) {
   return find_registered(*ctx, ptr, nbytes, peers);
 }
 
+namespace {
+
+// Reduce-scatter and all-gather (protocol.h): staged whatever is registered,
+// no temporaries, no graph-table entry (call_plan.h plan_segment_call). A
+// capture still records the call, so that comm.capture() compares it across
+// ranks. Returns whether a kernel exists for the dtype and world size.
+bool launch_segment_call(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool capturing,
+                         const at::Tensor& input, const at::Tensor& out, int64_t algo, cuda::Call& call) {
+  const at::Tensor& segment = algo == kReduceScatter ? out : input;
+  call.bytes = static_cast<int64_t>(segment.nbytes());
+  call.desc_bytes = static_cast<uint64_t>(ctx.world_size) * static_cast<uint64_t>(call.bytes);
+  call.input = static_cast<const char*>(input.data_ptr());
+  call.out = static_cast<char*>(out.data_ptr());
+  const auto in_addr = reinterpret_cast<uintptr_t>(call.input);
+  const auto out_addr = reinterpret_cast<uintptr_t>(call.out);
+  const cuda::CallPlan plan = cuda::plan_segment_call(in_addr, out_addr, call.bytes, ctx.rank, algo);
+  call.mode = plan.mode;
+  call.in_place = plan.in_place;
+  // The kernels access the caller's side element by element where it is not
+  // 16-byte aligned (collective_args_problem refused elements not aligned to
+  // their size, which would fault).
+  graph_entry_for(ctx, stream, /*eligible=*/false, input, call.input, call.bytes, plan.in_place, algo,
+                  call.average);
+  bool launched = false;
+  launch_in_order(rec, stream, capturing, [&] {
+    if (algo == kAllGather) {
+      launched = cuda::launch_all_gather(ctx.world_size, call, ctx.nblocks, stream);
+      return;
+    }
+    switch (input.scalar_type()) {
+      case at::kFloat:
+        launched = cuda::launch_reduce_scatter<float>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kHalf:
+        launched = cuda::launch_reduce_scatter<__half>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kBFloat16:
+        launched = cuda::launch_reduce_scatter<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      default:
+        break;
+    }
+  });
+  return launched;
+}
+
+// All-reduce (kOneShot, kTwoShot). Returns whether a kernel exists for the
+// dtype and world size.
+bool launch_all_reduce_call(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool capturing,
+                            const at::Tensor& input, at::Tensor& out, int64_t algo, cuda::Call& call) {
+  const int64_t bytes = call.bytes;
+  const auto* in_ptr = static_cast<const char*>(input.data_ptr());
+  auto* out_ptr = static_cast<char*>(out.data_ptr());
+  const auto in_addr = reinterpret_cast<uintptr_t>(in_ptr);
+  const auto out_addr = reinterpret_cast<uintptr_t>(out_ptr);
+  const bool registered = cuda::may_read_in_place(in_addr, out_addr, bytes) &&
+                          find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered, capturing);
+  const cuda::CallPlan plan = cuda::plan_call(in_addr, out_addr, bytes, algo, registered);
+  call.mode = plan.mode;
+  call.in_place = plan.in_place;
+  at::Tensor input_tmp, out_tmp;
+  if (plan.copy_input) {
+    input_tmp = input.clone(at::MemoryFormat::Contiguous);
+    in_ptr = static_cast<const char*>(input_tmp.data_ptr());
+  }
+  if (plan.copy_out) {
+    // A copy of out, not empty_like: a call the kernels skip (mismatch) must
+    // leave out as it was after the copy back below.
+    out_tmp = out.clone(at::MemoryFormat::Contiguous);
+    out_ptr = static_cast<char*>(out_tmp.data_ptr());
+  }
+  call.input = in_ptr;
+  call.out = out_ptr;
+  call.graph_entry = graph_entry_for(ctx, stream, plan.graph_entry_eligible, input, in_ptr, bytes,
+                                     plan.in_place, algo, call.average);
+
+  bool launched = false;
+  launch_in_order(rec, stream, capturing, [&] {
+    switch (input.scalar_type()) {
+      case at::kFloat:
+        launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kHalf:
+        launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      case at::kBFloat16:
+        launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
+        break;
+      default:
+        break;
+    }
+  });
+  if (launched && out_tmp.defined()) out.copy_(out_tmp);
+  return launched;
+}
+
+}  // namespace
+
 void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
                      bool average) {
   const int64_t bytes = static_cast<int64_t>(input.nbytes());
@@ -556,52 +655,12 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   call.average = average;
   call.dtype = dtype_code(input.scalar_type());
   call.status = rec.device;
-
-  const auto* in_ptr = static_cast<const char*>(input.data_ptr());
-  auto* out_ptr = static_cast<char*>(out.data_ptr());
-  const auto in_addr = reinterpret_cast<uintptr_t>(in_ptr);
-  const auto out_addr = reinterpret_cast<uintptr_t>(out_ptr);
   const bool capturing = is_capturing(stream);
-  const bool registered = cuda::may_read_in_place(in_addr, out_addr, bytes) &&
-                          find_registered(ctx, reinterpret_cast<int64_t>(in_ptr), bytes, call.registered, capturing);
-  const cuda::CallPlan plan = cuda::plan_call(in_addr, out_addr, bytes, algo, registered);
-  call.mode = plan.mode;
-  call.in_place = plan.in_place;
-  at::Tensor input_tmp, out_tmp;
-  if (plan.copy_input) {
-    input_tmp = input.clone(at::MemoryFormat::Contiguous);
-    in_ptr = static_cast<const char*>(input_tmp.data_ptr());
-  }
-  if (plan.copy_out) {
-    // A copy of out, not empty_like: a call the kernels skip (mismatch) must
-    // leave out as it was after the copy back below.
-    out_tmp = out.clone(at::MemoryFormat::Contiguous);
-    out_ptr = static_cast<char*>(out_tmp.data_ptr());
-  }
-  call.input = in_ptr;
-  call.out = out_ptr;
-  call.graph_entry = graph_entry_for(ctx, stream, plan.graph_entry_eligible, input, in_ptr, bytes,
-                                     plan.in_place, algo, average);
-
-  bool launched = false;
-  launch_in_order(rec, stream, capturing, [&] {
-    switch (input.scalar_type()) {
-      case at::kFloat:
-        launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kHalf:
-        launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kBFloat16:
-        launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      default:
-        break;
-    }
-  });
+  const bool launched = algo == kReduceScatter || algo == kAllGather
+                            ? launch_segment_call(ctx, rec, stream, capturing, input, out, algo, call)
+                            : launch_all_reduce_call(ctx, rec, stream, capturing, input, out, algo, call);
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for dtype ", input.scalar_type(),
               " and world size ", ctx.world_size);
-  if (out_tmp.defined()) out.copy_(out_tmp);
   // The call the error names: a record already there before this launch is an
   // earlier call's (the last launched one, most likely); one that appears now
   // may be this call's or the previous one's (its descriptors tell).
@@ -631,6 +690,7 @@ void cuda_agree(Context& ctx, CallDesc desc) {
 
   // The one-shot kernel with no bytes: start barrier, descriptor check, the
   // mid flags stored (protocol.h, kAgreeOnly). Its element type is immaterial.
+  // The descriptor names the collective the round stands for (agree_algo).
   cuda::Call call{};
   for (int q = 0; q < ctx.world_size; ++q) call.regions[q] = ctx.regions[q];
   call.bytes = 0;
@@ -639,6 +699,7 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   call.timeout_ns = ctx.timeout_ns;
   call.rank = ctx.rank;
   call.algo = kAgreeOnly;
+  call.agree_algo = (desc.kind >> 8) & 0xFFu;
   call.mode = static_cast<cuda::Mode>((desc.kind >> 16) & 0xFFu);
   call.dtype = desc.kind & 0xFFu;
   call.average = (desc.kind >> 24) & 1u;
@@ -669,10 +730,15 @@ int least_blocks_per_sm() {
     query(cuda::one_shot_kernel<T, W, true>);
     query(cuda::two_shot_kernel<T, W, false>);
     query(cuda::two_shot_kernel<T, W, true>);
+    query(cuda::reduce_scatter_kernel<T, W>);
   };
   for_type(float{});
   for_type(__half{});
   for_type(__nv_bfloat16{});
+  query(cuda::all_gather_kernel<uint8_t, W>);
+  query(cuda::all_gather_kernel<uint16_t, W>);
+  query(cuda::all_gather_kernel<uint32_t, W>);
+  query(cuda::all_gather_kernel<uint64_t, W>);
   return least;
 }
 }  // namespace

@@ -1,8 +1,10 @@
-// One-shot and two-shot all-reduce kernels over CUDA IPC memory (protocol in
-// csrc/common/protocol.h, explained in docs/architecture.md). Templated on the
-// element type and the world size so every per-peer loop is unrolled and all W
-// loads of a vector are in flight together; csrc/cuda/all_reduce.cu only picks
-// the source mode (Mode below) and calls launch_all_reduce().
+// One-shot and two-shot all-reduce kernels over CUDA IPC memory, and the
+// reduce-scatter and all-gather kernels (protocol in csrc/common/protocol.h,
+// explained in docs/architecture.md). Templated on the element type and the
+// world size so every per-peer loop is unrolled and all W loads of a vector are
+// in flight together; csrc/cuda/all_reduce.cu only picks the source mode (Mode
+// below) and calls launch_all_reduce(), launch_reduce_scatter() or
+// launch_all_gather().
 //
 // Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
 // thread t of a block handles the 16-byte vector t of each of its chunks.
@@ -23,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/protocol.h"
 #include "device_ops.h"
@@ -98,14 +101,19 @@ struct GraphEntry {
 struct Call {
   char* regions[kMaxRanks];     // each rank's region base as mapped in this process
   char* registered[kMaxRanks];  // zero-copy modes: each rank's input as mapped here
-  const char* input;            // this rank's input (16-byte aligned)
-  char* out;                    // this rank's output (16-byte aligned)
-  int64_t bytes;                // payload size, a multiple of the element size
+  const char* input;            // this rank's input (all-reduce: 16-byte aligned)
+  char* out;                    // this rank's output (all-reduce: 16-byte aligned)
+  int64_t bytes;                // payload size, a multiple of the element size; for
+                                // reduce-scatter and all-gather the segment S (protocol.h)
   int64_t max_bytes;            // size of one staging buffer
   int64_t timeout_ns;           // deadline of every spin
   int rank;
   Mode mode;
-  int64_t algo;                 // kOneShot, kTwoShot or kAgreeOnly, as requested
+  int64_t algo;                 // kOneShot, kTwoShot, kReduceScatter, kAllGather or kAgreeOnly, as requested
+  // An agreement round (algo kAgreeOnly): the algo its descriptor names, i.e.
+  // the collective it stands for (kAgreeOnly for an all-reduce), so that the
+  // fallbacks of different collectives cannot pair.
+  int64_t agree_algo = kAgreeOnly;
   bool average;                 // divide the fp32 sum by W before the cast
   bool in_place;                // the caller's input and out are one tensor (descriptor only)
   uint32_t dtype;               // c10::ScalarType value (descriptor only)
@@ -128,13 +136,15 @@ struct KernelArgs {
   const char* input;
   char* out;
   int64_t bytes;
+  int64_t segment_stride;          // reduce-scatter: protocol.h segment_stride(bytes)
   int64_t timeout_ns;
   const GraphEntry* graph_entry;  // nullptr: the buffers above are final
   CallStatus* status;
   uint64_t desc_bytes;
   int rank;
   int mode;
-  int algo;                        // what runs: kOneShot, kTwoShot or kAgreeOnly
+  int algo;                        // what runs: kOneShot, kTwoShot, kReduceScatter, kAllGather or kAgreeOnly
+  int desc_algo;                   // the descriptor's algo: algo, or the one an agreement round stands for
   uint32_t dtype;
   bool average;
   bool in_place;
@@ -165,6 +175,10 @@ static_assert(kDataOffset % kVecBytes == 0 && kAlignment % kVecBytes == 0,
               "staging buffers must keep 16-byte vectors aligned");
 static_assert(kDescOffset % kVecBytes == 0 && kDescBytes == kVecBytes,
               "a descriptor must be one aligned 16-byte vector");
+static_assert(kSegmentUnit % kChunkBytes == 0,
+              "a staging chunk must lie inside one reduce-scatter segment");
+
+__host__ __device__ inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }
 
 __device__ __forceinline__ uint32_t* flag_ptr(char* region, int64_t array_offset, int block,
                                               int rank) {
@@ -326,9 +340,13 @@ __device__ __forceinline__ bool meet(const KernelArgs& a, char* own_region, int6
 // ---- element conversions --------------------------------------------------------
 
 // Raw bits of one element and its exact conversion to fp32 and back with
-// round-to-nearest-even (the same cvt instructions torch and Triton use).
+// round-to-nearest-even (the same cvt instructions torch and Triton use). The
+// unsigned integers all-gather copies as (launch_all_gather) are their own
+// bits and have no conversion.
 template <typename T>
-struct Elem;
+struct Elem {
+  using Bits = T;
+};
 template <>
 struct Elem<float> {
   using Bits = uint32_t;
@@ -361,23 +379,41 @@ union Vec {
   Bits e[kElems];
 };
 
-// Loads the 16-byte vector at p, of which only `valid` bytes (> 0) belong to
-// the payload: the last vector of a call whose size is not a multiple of 16 is
-// read element by element, so nothing past the tensor's end is touched.
+// The elements of the 16 bytes at p of which the first `valid` (> 0) belong
+// to the payload, one by one: p need only be element-aligned, and nothing past
+// the payload is touched.
 template <typename T>
-__device__ __forceinline__ Vec<T> load_vec(const char* p, int64_t valid) {
+__device__ __forceinline__ Vec<T> load_elems(const char* p, int64_t valid) {
   Vec<T> r;
-  if (valid >= kVecBytes) {
-    r.v = *reinterpret_cast<const int4*>(p);
-  } else {
-    r.v = make_int4(0, 0, 0, 0);
-    const auto* src = reinterpret_cast<const typename Vec<T>::Bits*>(p);
+  r.v = make_int4(0, 0, 0, 0);
+  const auto* src = reinterpret_cast<const typename Vec<T>::Bits*>(p);
 #pragma unroll
-    for (int i = 0; i < Vec<T>::kElems; ++i) {
-      if (int64_t(i) * int64_t(sizeof(src[0])) < valid) r.e[i] = src[i];
-    }
+  for (int i = 0; i < Vec<T>::kElems; ++i) {
+    if (int64_t(i) * int64_t(sizeof(src[0])) < valid) r.e[i] = src[i];
   }
   return r;
+}
+template <typename T>
+__device__ __forceinline__ void store_elems(char* p, const Vec<T>& x, int64_t valid) {
+  auto* dst = reinterpret_cast<typename Vec<T>::Bits*>(p);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) {
+    if (int64_t(i) * int64_t(sizeof(dst[0])) < valid) dst[i] = x.e[i];
+  }
+}
+
+// Loads the 16-byte aligned vector at p, of which only `valid` bytes (> 0)
+// belong to the payload: the last vector of a call whose size is not a
+// multiple of 16 is read element by element, so nothing past the tensor's end
+// is touched.
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const char* p, int64_t valid) {
+  if (valid >= kVecBytes) {
+    Vec<T> r;
+    r.v = *reinterpret_cast<const int4*>(p);
+    return r;
+  }
+  return load_elems<T>(p, valid);
 }
 
 template <typename T>
@@ -385,11 +421,25 @@ __device__ __forceinline__ void store_vec(char* p, const Vec<T>& x, int64_t vali
   if (valid >= kVecBytes) {
     *reinterpret_cast<int4*>(p) = x.v;
   } else {
-    auto* dst = reinterpret_cast<typename Vec<T>::Bits*>(p);
-#pragma unroll
-    for (int i = 0; i < Vec<T>::kElems; ++i) {
-      if (int64_t(i) * int64_t(sizeof(dst[0])) < valid) dst[i] = x.e[i];
-    }
+    store_elems<T>(p, x, valid);
+  }
+}
+
+// load_vec/store_vec at an address that may be only element-aligned: the
+// caller's side of reduce-scatter and all-gather, whose segment q starts at
+// q * S (S % 16 may be nonzero) of a tensor that may be a view at any element
+// offset. All-reduce's kernels get aligned tensors instead (call_plan.h's
+// temporaries), which cannot help here: the segments themselves are misaligned.
+template <typename T>
+__device__ __forceinline__ Vec<T> load_piece(const char* p, int64_t valid) {
+  return vec_aligned(reinterpret_cast<uintptr_t>(p)) ? load_vec<T>(p, valid) : load_elems<T>(p, valid);
+}
+template <typename T>
+__device__ __forceinline__ void store_piece(char* p, const Vec<T>& x, int64_t valid) {
+  if (vec_aligned(reinterpret_cast<uintptr_t>(p))) {
+    store_vec<T>(p, x, valid);
+  } else {
+    store_elems<T>(p, x, valid);
   }
 }
 
@@ -478,7 +528,7 @@ __device__ __forceinline__ void reduce_at(const KernelArgs& a, int64_t shift, in
 
 // This call's descriptor kind; the mode is the one that runs (a graph entry's).
 __device__ __forceinline__ uint32_t call_kind(const KernelArgs& a) {
-  return desc_kind(a.dtype, uint32_t(a.algo), uint32_t(a.mode), a.average, a.in_place);
+  return desc_kind(a.dtype, uint32_t(a.desc_algo), uint32_t(a.mode), a.average, a.in_place);
 }
 
 // One-shot: copy in, start barrier, every rank reduces every element from all W
@@ -556,6 +606,121 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   if (in_place) meet<W>(a, own_region, kStartFlagsOffset, e + 1, kBarrierEnd);
 }
 
+// ---- reduce-scatter and all-gather ----------------------------------------------
+//
+// protocol.h: staged only, one epoch per call, the start barrier only (which
+// stores the mid flags, as one-shot's does). S = a.bytes is the per-rank
+// segment. The work is split by staging chunk as for all-reduce: the block
+// that copies staging chunk c in is the block that reads chunk c on every peer
+// (chunk_block), whatever the collective, so the per-block flags and the double
+// buffering argument hold across calls of every kind. The caller's side of a
+// chunk (input or out segment q, at q * S) holds the same payload bytes at an
+// address that may be only element-aligned: load_piece/store_piece.
+
+// One thread's 16 bytes of a copy: from, to, and how many of them belong to
+// the payload (<= 0: none).
+struct Piece {
+  const char* from = nullptr;
+  char* to = nullptr;
+  int64_t valid = 0;
+};
+
+// Byte offset of this thread's vector within a chunk.
+__device__ __forceinline__ int64_t lane_offset() { return int64_t(threadIdx.x) * kVecBytes; }
+
+// Calls f(c) for this block's staging chunks c in [first, end), in increasing
+// order: block_chunk(b, k) from k = the number of the block's chunks below first.
+template <int W, typename F>
+__device__ __forceinline__ void for_block_chunks(int64_t first, int64_t end, F f) {
+  const int b = int(blockIdx.x), nblocks = int(gridDim.x);
+  const int64_t last = block_rounds(b, end, nblocks, W);
+  for (int64_t k = block_rounds(b, first, nblocks, W); k < last; ++k) f(block_chunk(b, k, nblocks, W));
+}
+
+// Copies piece_of(c) for this block's staging chunks c in [first, end);
+// kCopyBatch chunks are loaded before any is stored (as copy_block_chunks).
+template <typename T, int W, typename PieceOf>
+__device__ __forceinline__ void copy_pieces(int64_t first, int64_t end, PieceOf piece_of) {
+  const int b = int(blockIdx.x), nblocks = int(gridDim.x);
+  const int64_t last = block_rounds(b, end, nblocks, W);
+  for (int64_t k = block_rounds(b, first, nblocks, W); k < last; k += kCopyBatch) {
+    Piece p[kCopyBatch];
+    Vec<T> v[kCopyBatch];
+#pragma unroll
+    for (int i = 0; i < kCopyBatch; ++i) {
+      if (k + i < last) p[i] = piece_of(block_chunk(b, k + i, nblocks, W));
+      if (p[i].valid > 0) v[i] = load_piece<T>(p[i].from, p[i].valid);
+    }
+#pragma unroll
+    for (int i = 0; i < kCopyBatch; ++i) {
+      if (p[i].valid > 0) store_piece<T>(p[i].to, v[i], p[i].valid);
+    }
+  }
+}
+
+// Reduce-scatter: copy the W input segments in (segment q at q *
+// segment_stride(S) of own staging), start barrier, then out = segment `rank`
+// of every rank's staging, reduced as one-shot reduces (reduce_vec: the same
+// bits as one-shot's all-reduce of those bytes). out may be segment `rank` of
+// the input: the block that writes out[o] copied input segment `rank`'s byte o
+// in before its barrier (same staging chunk).
+template <typename T, int W>
+__device__ __forceinline__ void reduce_scatter(const KernelArgs& a) {
+  char* const own_region = select_rank<W>(a.regions, a.rank);
+  const uint32_t e = advance_epoch(own_region, 1);
+  const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
+  const int64_t segment = a.bytes, segment_chunks = a.segment_stride / kChunkBytes, lane = lane_offset();
+  char* const own_staging = const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift;
+  const char* const input = a.input;
+  copy_pieces<T, W>(0, W * segment_chunks, [=](int64_t c) {
+    const int64_t q = c / segment_chunks, o = (c % segment_chunks) * kChunkBytes + lane;
+    return Piece{input + q * segment + o, own_staging + c * kChunkBytes + lane, segment - o};
+  });
+  if (!start_call<W>(a, own_region, e, call_kind(a), /*with_mid=*/true)) return;
+
+  const char* src[W];
+#pragma unroll
+  for (int q = 0; q < W; ++q) src[q] = a.sources[q] + shift;
+  const int64_t first = a.rank * segment_chunks;
+  for_block_chunks<W>(first, first + segment_chunks, [&](int64_t c) {
+    const int64_t o = (c - first) * kChunkBytes + lane;
+    if (o < segment) {
+      store_piece<T>(a.out + o, reduce_vec<T, W>(src, c * kChunkBytes + lane, segment - o, a.average), segment - o);
+    }
+  });
+}
+
+// All-gather: copy the input to own staging [0, S), start barrier, then out
+// segment q = rank q's staging [0, S), all W loads of a vector in flight
+// together. Word: an unsigned integer the caller's addresses are aligned to
+// (launch_all_gather). The input may be segment `rank` of out: the block that
+// writes out segment `rank`'s byte o copied input byte o in before its
+// barrier, and writes it back unchanged.
+template <typename Word, int W>
+__device__ __forceinline__ void all_gather(const KernelArgs& a) {
+  char* const own_region = select_rank<W>(a.regions, a.rank);
+  const uint32_t e = advance_epoch(own_region, 1);
+  const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
+  const int64_t segment = a.bytes, nchunks = (segment + kChunkBytes - 1) / kChunkBytes, lane = lane_offset();
+  char* const own_staging = const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift;
+  const char* const input = a.input;
+  copy_pieces<Word, W>(0, nchunks, [=](int64_t c) {
+    const int64_t o = c * kChunkBytes + lane;
+    return Piece{input + o, own_staging + o, segment - o};
+  });
+  if (!start_call<W>(a, own_region, e, call_kind(a), /*with_mid=*/true)) return;
+
+  for_block_chunks<W>(0, nchunks, [&](int64_t c) {
+    const int64_t o = c * kChunkBytes + lane;
+    if (o >= segment) return;
+    Vec<Word> v[W];
+#pragma unroll
+    for (int q = 0; q < W; ++q) v[q] = load_vec<Word>(a.sources[q] + shift + o, segment - o);
+#pragma unroll
+    for (int q = 0; q < W; ++q) store_piece<Word>(a.out + q * segment + o, v[q], segment - o);
+  });
+}
+
 // The arguments of a call captured with a graph-table entry: the captured
 // staging arguments, or, once the entry is registered, the zero-copy ones
 // (as make_kernel_args would have built them). Plain loads: the host wrote the
@@ -600,6 +765,17 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const KernelArgs 
   }
 }
 
+// Always staged: no graph-entry variant.
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads, 1) reduce_scatter_kernel(const KernelArgs params) {
+  reduce_scatter<T, W>(params);
+}
+
+template <typename Word, int W>
+__global__ void __launch_bounds__(kThreads, 1) all_gather_kernel(const KernelArgs params) {
+  all_gather<Word, W>(params);
+}
+
 // ---- launch ---------------------------------------------------------------------
 
 // The algorithm that runs: in-place zero-copy exists only in the two-shot
@@ -626,6 +802,7 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.input = call.input;
   a.out = call.out;
   a.bytes = call.bytes;
+  a.segment_stride = segment_stride(call.bytes);
   a.timeout_ns = call.timeout_ns;
   a.graph_entry = call.graph_entry;
   a.status = call.status;
@@ -633,6 +810,7 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.rank = call.rank;
   a.mode = call.mode;
   a.algo = int(kernel_algo(call.algo, call.mode));
+  a.desc_algo = call.algo == kAgreeOnly ? int(call.agree_algo) : a.algo;
   a.dtype = call.dtype;
   a.average = call.average;
   a.in_place = call.in_place;
@@ -658,21 +836,66 @@ inline void launch_for_world(const KernelArgs& a, int nblocks, cudaStream_t stre
   }
 }
 
-// The one dispatch switch; returns false for a world size outside 1..kMaxRanks.
+// The one world-size switch: f(std::integral_constant<int, W>()); returns
+// false for a world size outside 1..kMaxRanks.
+template <typename F>
+inline bool with_world_size(int world_size, F f) {
+  static_assert(kMaxRanks == 8, "extend the switch below");
+  switch (world_size) {
+    case 1: f(std::integral_constant<int, 1>()); return true;
+    case 2: f(std::integral_constant<int, 2>()); return true;
+    case 3: f(std::integral_constant<int, 3>()); return true;
+    case 4: f(std::integral_constant<int, 4>()); return true;
+    case 5: f(std::integral_constant<int, 5>()); return true;
+    case 6: f(std::integral_constant<int, 6>()); return true;
+    case 7: f(std::integral_constant<int, 7>()); return true;
+    case 8: f(std::integral_constant<int, 8>()); return true;
+    default: return false;
+  }
+}
+
+// One-shot, two-shot and the agreement round (kAgreeOnly).
 template <typename T>
 inline bool launch_all_reduce(int world_size, const Call& call, int nblocks, cudaStream_t stream) {
   const KernelArgs a = make_kernel_args(call);
-  static_assert(kMaxRanks == 8, "extend the switch below");
-  switch (world_size) {
-    case 1: launch_for_world<T, 1>(a, nblocks, stream); return true;
-    case 2: launch_for_world<T, 2>(a, nblocks, stream); return true;
-    case 3: launch_for_world<T, 3>(a, nblocks, stream); return true;
-    case 4: launch_for_world<T, 4>(a, nblocks, stream); return true;
-    case 5: launch_for_world<T, 5>(a, nblocks, stream); return true;
-    case 6: launch_for_world<T, 6>(a, nblocks, stream); return true;
-    case 7: launch_for_world<T, 7>(a, nblocks, stream); return true;
-    case 8: launch_for_world<T, 8>(a, nblocks, stream); return true;
-    default: return false;
+  return with_world_size(world_size, [&](auto w) { launch_for_world<T, decltype(w)::value>(a, nblocks, stream); });
+}
+
+// Reduce-scatter of a float32, float16 or bfloat16 tensor (call.bytes = S,
+// mode kStaged).
+template <typename T>
+inline bool launch_reduce_scatter(int world_size, const Call& call, int nblocks, cudaStream_t stream) {
+  const KernelArgs a = make_kernel_args(call);
+  return with_world_size(world_size, [&](auto w) {
+    launch(reduce_scatter_kernel<T, decltype(w)::value>, nblocks, kThreads, stream, a);
+  });
+}
+
+// All-gather copies bytes, whatever the dtype: the kernel's word is the widest
+// of 1, 2, 4, 8 bytes that divides S and the input and out addresses, so every
+// access to segment q of out (at q * S) is aligned to it. Any dtype's tensors
+// are aligned to its element size, so the word is never narrower than that.
+inline int all_gather_word_bytes(const Call& call) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(call.input) | reinterpret_cast<uintptr_t>(call.out) |
+                         uintptr_t(call.bytes) | uintptr_t(8);
+  return int(bits & (~bits + 1));  // the lowest set bit
+}
+
+template <typename Word>
+inline bool launch_all_gather_words(int world_size, const KernelArgs& a, int nblocks, cudaStream_t stream) {
+  return with_world_size(world_size, [&](auto w) {
+    launch(all_gather_kernel<Word, decltype(w)::value>, nblocks, kThreads, stream, a);
+  });
+}
+
+// All-gather (call.bytes = S, mode kStaged).
+inline bool launch_all_gather(int world_size, const Call& call, int nblocks, cudaStream_t stream) {
+  const KernelArgs a = make_kernel_args(call);
+  switch (all_gather_word_bytes(call)) {
+    case 1: return launch_all_gather_words<uint8_t>(world_size, a, nblocks, stream);
+    case 2: return launch_all_gather_words<uint16_t>(world_size, a, nblocks, stream);
+    case 4: return launch_all_gather_words<uint32_t>(world_size, a, nblocks, stream);
+    default: return launch_all_gather_words<uint64_t>(world_size, a, nblocks, stream);
   }
 }
 

@@ -2,7 +2,8 @@
 // without torch or CUDA runtime calls, so tests/sim (the CUDA-on-host harness)
 // runs exactly the glue's choices in front of the real kernels: the source
 // mode, the aligned temporaries, graph-table eligibility, graph-table slots,
-// and the text of a failure the kernels recorded.
+// reduce-scatter's and all-gather's plan, and the text of a failure the
+// kernels recorded.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +14,6 @@
 
 namespace pyallreduce {
 namespace cuda {
-
-inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }
 
 // Whether the kernels may read `in` in place (zero-copy) when it is registered:
 // an in-place call, or an out that does not overlap the input (a partial
@@ -49,6 +48,20 @@ inline CallPlan plan_call(uintptr_t in, uintptr_t out, int64_t bytes, int64_t al
   // caller's own aligned tensors, and in place only exists as two-shot.
   p.graph_entry_eligible = p.mode == kStaged && !p.copy_input && !p.copy_out &&
                            (disjoint || (p.in_place && algo == kTwoShot));
+  return p;
+}
+
+// Reduce-scatter and all-gather (algo kReduceScatter or kAllGather, segment
+// S bytes): staged whatever is registered (their kernels read only staging
+// buffers), no temporaries (the kernels take element-aligned addresses: their
+// segments at q * S need not be 16-byte aligned anyway), never a graph entry
+// (a capture records them as plain staged calls). In place means the one
+// overlap protocol.h allows: reduce-scatter's out is segment `rank` of its
+// input, all-gather's input segment `rank` of its out.
+inline CallPlan plan_segment_call(uintptr_t in, uintptr_t out, int64_t segment_bytes, int rank, int64_t algo) {
+  CallPlan p;
+  const uintptr_t own_segment = uintptr_t(rank) * uintptr_t(segment_bytes);
+  p.in_place = algo == kReduceScatter ? out == in + own_segment : in == out + own_segment;
   return p;
 }
 

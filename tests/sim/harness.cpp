@@ -1,8 +1,9 @@
-// Runs the real CUDA kernels (csrc/cuda/all_reduce.cuh) and the glue's
-// decisions (csrc/cuda/call_plan.h) on the host through tests/sim/cuda_shim.h:
-// W ranks as threads or as forked processes, each mapping the shared regions
-// at its own address, every output bit compared with an independent fp32
-// rank-order reference. What it covers and what it cannot: docs/verification.md.
+// Runs the real CUDA kernels (csrc/cuda/all_reduce.cuh: all-reduce,
+// reduce-scatter, all-gather) and the glue's decisions (csrc/cuda/call_plan.h)
+// on the host through tests/sim/cuda_shim.h: W ranks as threads or as forked
+// processes, each mapping the shared regions at its own address, every output
+// bit compared with an independent fp32 rank-order reference (all-gather: with
+// every rank's input). What it covers and what it cannot: docs/verification.md.
 //
 //   harness [--suite plain|quick|tsan] [--mode threads|procs|both] [--seed N] [--only NAME]
 //
@@ -40,11 +41,14 @@ namespace {
 
 // ---- element types and the independent reference ----------------------------------
 
-enum DType { kF32, kF16, kBF16 };
-const char* const kDtypeNames[] = {"float32", "float16", "bfloat16"};
-// c10::ScalarType values (the descriptor's dtype field): Half 5, Float 6, BFloat16 15.
-const uint32_t kDtypeCodes[] = {6, 5, 15};
-int elem_size(int dt) { return dt == kF32 ? 4 : 2; }
+// The three the reductions take, then two that only all-gather takes (it
+// copies bytes: a 1-byte and an 8-byte element).
+enum DType { kF32, kF16, kBF16, kU8, kI64 };
+constexpr int kReducedDtypes = 3, kDtypes = 5;
+const char* const kDtypeNames[] = {"float32", "float16", "bfloat16", "uint8", "int64"};
+// c10::ScalarType values (the descriptor's dtype field): Byte 0, Long 4, Half 5, Float 6, BFloat16 15.
+const uint32_t kDtypeCodes[] = {6, 5, 15, 0, 4};
+int elem_size(int dt) { return dt == kF32 ? 4 : dt == kU8 ? 1 : dt == kI64 ? 8 : 2; }
 
 uint32_t float_bits(float f) {
   uint32_t u;
@@ -83,6 +87,7 @@ uint16_t float_to_half(float f) {  // round to nearest even; inputs here are fin
   return uint16_t(sign | h);
 }
 float to_f32(int dt, const char* p) {
+  if (dt >= kReducedDtypes) return float(uint8_t(*p));  // raw types: shown by their first byte
   if (dt == kF32) {
     float f;
     std::memcpy(&f, p, 4);
@@ -113,21 +118,35 @@ uint64_t mix(uint64_t x) {  // splitmix64
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
+uint64_t input_hash(uint64_t seed, int q, int64_t i) {
+  return mix(seed * 131 + uint64_t(q) * 0x100000001ull + uint64_t(i));
+}
 // Element i of rank q's input: never zero, varied mantissas, no overflow.
 float input_value(uint64_t seed, int q, int64_t i) {
-  const uint64_t h = mix(seed * 131 + uint64_t(q) * 0x100000001ull + uint64_t(i));
-  const float v = float(int64_t(h % 20001) - 10000) / 97.0f;
+  const float v = float(int64_t(input_hash(seed, q, i) % 20001) - 10000) / 97.0f;
   return v == 0.0f ? 0.5f : v;
 }
-void fill_input(char* p, int dt, int64_t count, uint64_t seed, int q) {
-  for (int64_t i = 0; i < count; ++i) from_f32(dt, input_value(seed, q, i), p + i * elem_size(dt));
+// Elements first.. first + count - 1 of rank q's input (raw types: hash bytes,
+// the first byte odd, so never a zero element).
+void fill_input(char* p, int dt, int64_t count, uint64_t seed, int q, int64_t first = 0) {
+  const int es = elem_size(dt);
+  for (int64_t i = 0; i < count; ++i) {
+    if (dt < kReducedDtypes) {
+      from_f32(dt, input_value(seed, q, first + i), p + i * es);
+    } else {
+      const uint64_t h = input_hash(seed, q, first + i) | 1u;
+      std::memcpy(p + i * es, &h, size_t(es));  // little endian: the low bytes
+    }
+  }
 }
-void reference(char* out, int dt, int64_t count, uint64_t seed, int world, bool average) {
+// The all-reduce of elements first.. first + count - 1 (a reduce-scatter's
+// segment is the all-reduce of those elements of the whole input).
+void reference(char* out, int dt, int64_t count, uint64_t seed, int world, bool average, int64_t first = 0) {
   std::vector<char> x(size_t(elem_size(dt)));
   for (int64_t i = 0; i < count; ++i) {
     float acc = 0.0f;
     for (int q = 0; q < world; ++q) {  // rank order, each input rounded to the dtype first
-      from_f32(dt, input_value(seed, q, i), x.data());
+      from_f32(dt, input_value(seed, q, first + i), x.data());
       const float v = to_f32(dt, x.data());
       acc = q == 0 ? v : acc + v;
     }
@@ -188,30 +207,40 @@ struct Rank {
 // One rank's part of one collective call.
 struct CallSpec {
   int dtype = kF32;
-  int64_t count = 1;
+  int64_t count = 1;            // elements; reduce-scatter and all-gather: of one segment (S)
   int64_t algo = kOneShot;      // kAgreeOnly: the agreement round (no data)
+  int64_t agree_algo = kAgreeOnly;  // an agreement round's descriptor: the collective it stands for
   bool average = false;
+  // In place, reduce-scatter and all-gather: the one overlap they allow
+  // (out = segment `rank` of the input, input = segment `rank` of out).
+  // Registered: the input lies in the registered buffer (only all-reduce
+  // reads it in place).
   enum Where { kPrivate, kPrivateInPlace, kRegistered, kRegisteredInPlace } where = kPrivate;
-  int in_off = 0, out_off = 0;  // elements, to test misaligned tensors
+  int in_off = 0, out_off = 0;  // elements, to test misaligned tensors (all-gather in place: out's)
   int graph = 0;                // 0 eager; 1 captured, entry unset; 2 captured, entry set
   int entry = 0;
   uint64_t seed = 1;
   bool skip = false;            // this rank makes no call (deadline tests)
   bool in_place() const { return where == kPrivateInPlace || where == kRegisteredInPlace; }
   bool in_registered() const { return where == kRegistered || where == kRegisteredInPlace; }
+  bool segments() const { return algo == kReduceScatter || algo == kAllGather; }
+  int64_t in_count(int world) const { return algo == kReduceScatter ? world * count : count; }
+  int64_t out_count(int world) const { return algo == kAllGather ? world * count : count; }
 };
 
 enum class Expect { kOk, kMismatch, kDeadline };
 
 // What the glue's find_registered says for this input: the whole registered
-// buffer is registered, so any 16-byte aligned offset inside it.
+// buffer is registered, so any 16-byte aligned offset inside it. The glue
+// never asks for reduce-scatter and all-gather.
 bool registered_for(const CallSpec& s) {
-  return s.in_registered() && s.graph == 0 && int64_t(s.in_off) * elem_size(s.dtype) % kVecBytes == 0;
+  return s.in_registered() && s.graph == 0 && !s.segments() &&
+         int64_t(s.in_off) * elem_size(s.dtype) % kVecBytes == 0;
 }
 
 // The mode and algorithm that run, as the kernels will publish them.
-CallDesc expected_desc(const CallSpec& s, uint32_t epoch) {
-  const int64_t bytes = s.count * elem_size(s.dtype);
+CallDesc expected_desc(const CallSpec& s, uint32_t epoch, int world) {
+  const int64_t bytes = s.count * elem_size(s.dtype) * (s.segments() ? world : 1);
   Mode mode = kStaged;
   if (s.algo == kAgreeOnly) {
     mode = Mode(kModeFallback);
@@ -220,7 +249,7 @@ CallDesc expected_desc(const CallSpec& s, uint32_t epoch) {
   } else if (s.graph == 2) {
     mode = s.in_place() ? kRegisteredInPlace : kRegistered;
   }
-  const int64_t algo = s.algo == kAgreeOnly ? kAgreeOnly : kernel_algo(s.algo, mode);
+  const int64_t algo = s.algo == kAgreeOnly ? s.agree_algo : kernel_algo(s.algo, mode);
   return CallDesc{uint64_t(bytes), epoch,
                   desc_kind(kDtypeCodes[s.dtype], uint32_t(algo), uint32_t(mode), s.average, s.in_place())};
 }
@@ -251,9 +280,51 @@ void check_two_shot_share(Rank& r, const char* input, const char* result, int64_
   }
 }
 
-template <typename T>
-bool launch_typed(Rank& r, const Call& call) {
-  return launch_all_reduce<T>(r.cfg.world, call, r.cfg.nblocks, nullptr);
+// Reduce-scatter and all-gather stage per protocol.h: right after a call
+// (no later call of this rank has written it yet) this rank's staging buffer
+// holds input segment q at q * segment_stride(S) (reduce-scatter), or the
+// input at 0 (all-gather), the layout every backend shares.
+void check_segment_staging(Rank& r, const CallSpec& s, const char* input, int64_t segment) {
+  const uint32_t e = reinterpret_cast<const uint32_t*>(r.region(r.rank) + kEpochOffset)[0];
+  const char* staging = r.region(r.rank) + staging_offset(e, r.cfg.max_bytes);
+  const int parts = s.algo == kReduceScatter ? r.cfg.world : 1;
+  for (int q = 0; q < parts; ++q) {
+    if (std::memcmp(staging + q * segment_stride(segment), input + q * segment, size_t(segment)) != 0) {
+      r.fail("%s of %" PRId64 " bytes: staging at %" PRId64 " does not hold input segment %d",
+             s.algo == kReduceScatter ? "reduce-scatter" : "all-gather", segment,
+             int64_t(q) * segment_stride(segment), q);
+    }
+  }
+}
+
+// The first element of got that differs from want, if any, fails the rank.
+void check_elements(Rank& r, const CallSpec& s, const CallPlan& plan, const char* what, const char* got,
+                    const char* want, int64_t count) {
+  const int es = elem_size(s.dtype);
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::memcmp(want + i * es, got + i * es, size_t(es)) != 0) {
+      r.fail("%s %s %" PRId64 " elems algo %" PRId64 " where %d mode %d graph %d off %d/%d: %s element %" PRId64
+             " is %g, want %g",
+             kDtypeNames[s.dtype], s.average ? "avg" : "sum", s.count, s.algo, int(s.where), int(plan.mode),
+             s.graph, s.in_off, s.out_off, what, i, double(to_f32(s.dtype, got + i * es)),
+             double(to_f32(s.dtype, want + i * es)));
+    }
+  }
+}
+
+// The glue's dispatch: by dtype, all-gather by its word (launch_all_gather).
+bool launch_call(Rank& r, const CallSpec& s, const Call& call) {
+  const int W = r.cfg.world, nb = r.cfg.nblocks;
+  if (s.algo == kAllGather) return launch_all_gather(W, call, nb, nullptr);
+  const bool rs = s.algo == kReduceScatter;
+  switch (s.dtype) {
+    case kF32: return rs ? launch_reduce_scatter<float>(W, call, nb, nullptr) : launch_all_reduce<float>(W, call, nb, nullptr);
+    case kF16: return rs ? launch_reduce_scatter<__half>(W, call, nb, nullptr) : launch_all_reduce<__half>(W, call, nb, nullptr);
+    case kBF16:
+      return rs ? launch_reduce_scatter<__nv_bfloat16>(W, call, nb, nullptr)
+                : launch_all_reduce<__nv_bfloat16>(W, call, nb, nullptr);
+    default: return false;
+  }
 }
 
 // Runs one call on rank r: the glue's decisions (call_plan.h), the kernel,
@@ -262,8 +333,10 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   const CallSpec& s = specs[size_t(r.rank)];
   ++r.calls;
   if (s.skip) return;
-  const int es = elem_size(s.dtype);
-  const int64_t bytes = s.count * es;
+  const int es = elem_size(s.dtype), W = r.cfg.world;
+  const int64_t bytes = s.count * es;  // the payload, or the segment S
+  const int64_t in_bytes = s.in_count(W) * es, out_bytes = s.out_count(W) * es;
+  const bool gather_in_place = s.algo == kAllGather && s.in_place();
 
   // Input and out where the spec says; private buffers have exactly their size
   // (ASan sees any access past them) plus checked guard bytes after out.
@@ -271,35 +344,43 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   char* out_alloc = nullptr;
   char* in;
   char* out;
-  if (s.in_registered()) {
+  if (!s.in_place() || gather_in_place) {
+    out_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.out_off) * es + out_bytes + kGuardBytes)));
+    out = out_alloc + int64_t(s.out_off) * es;
+    std::memset(out, kSentinel, size_t(out_bytes + kGuardBytes));
+  }
+  if (gather_in_place) {
+    in = out + r.rank * bytes;
+  } else if (s.in_registered()) {
     in = r.reg_buf(r.rank) + int64_t(s.in_off) * es;
-    if (int64_t(s.in_off) * es + bytes > r.reg_bytes()) std::abort();
+    if (int64_t(s.in_off) * es + in_bytes > r.reg_bytes()) std::abort();
   } else {
-    in_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.in_off) * es + bytes)));
+    in_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.in_off) * es + in_bytes)));
     in = in_alloc + int64_t(s.in_off) * es;
   }
-  if (s.in_place()) {
-    out = in;
-  } else {
-    out_alloc = static_cast<char*>(std::malloc(size_t(int64_t(s.out_off) * es + bytes + kGuardBytes)));
-    out = out_alloc + int64_t(s.out_off) * es;
-    std::memset(out, kSentinel, size_t(bytes + kGuardBytes));
-  }
-  if (s.algo != kAgreeOnly) fill_input(in, s.dtype, s.count, s.seed, r.rank);
-  std::vector<char> before(out, out + bytes);  // a skipped call must leave out as it was
-  const std::vector<char> input(in, in + bytes);
+  if (s.in_place() && !gather_in_place) out = s.algo == kReduceScatter ? in + r.rank * bytes : in;
+  if (s.algo != kAgreeOnly) fill_input(in, s.dtype, s.in_count(W), s.seed, r.rank);
+  std::vector<char> before(out, out + out_bytes);  // a skipped call must leave out as it was
+  const std::vector<char> input(in, in + in_bytes);
 
   // The glue's decisions.
   const auto in_addr = reinterpret_cast<uintptr_t>(in), out_addr = reinterpret_cast<uintptr_t>(out);
   const bool registered = registered_for(s) && may_read_in_place(in_addr, out_addr, bytes);
-  const CallPlan plan = plan_call(in_addr, out_addr, bytes, s.algo, registered);
+  const CallPlan plan = s.segments() ? plan_segment_call(in_addr, out_addr, bytes, r.rank, s.algo)
+                                     : plan_call(in_addr, out_addr, bytes, s.algo, registered);
+  if (s.segments() && (plan.in_place != s.in_place() || plan.mode != kStaged || plan.copy_input ||
+                       plan.copy_out || plan.graph_entry_eligible)) {
+    r.fail("plan_segment_call: in place %d mode %d copies %d/%d graph entry %d, want in place %d, staged, "
+           "no copies, no entry", plan.in_place, int(plan.mode), plan.copy_input, plan.copy_out,
+           plan.graph_entry_eligible, s.in_place());
+  }
   Call call{};
-  for (int q = 0; q < r.cfg.world; ++q) {
+  for (int q = 0; q < W; ++q) {
     call.regions[q] = r.region(q);
     if (registered) call.registered[q] = r.reg_buf(q) + int64_t(s.in_off) * es;
   }
   call.bytes = bytes;
-  call.desc_bytes = uint64_t(bytes);
+  call.desc_bytes = uint64_t(s.segments() ? W * bytes : bytes);
   call.max_bytes = r.cfg.max_bytes;
   call.timeout_ns = r.cfg.timeout_ns;
   call.rank = r.rank;
@@ -325,6 +406,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
     call.bytes = 0;
     call.mode = Mode(kModeFallback);
     call.input = call.out = nullptr;
+    call.agree_algo = s.agree_algo;
   }
   if (s.graph != 0) {
     if (!plan.graph_entry_eligible || !s.in_registered()) {
@@ -333,7 +415,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
       GraphEntry& e = r.entries[s.entry];
       e = GraphEntry{};
       if (s.graph == 2) {
-        for (int q = 0; q < r.cfg.world; ++q) e.registered[q] = r.reg_buf(q) + int64_t(s.in_off) * es;
+        for (int q = 0; q < W; ++q) e.registered[q] = r.reg_buf(q) + int64_t(s.in_off) * es;
         e.mode = plan.in_place ? kRegisteredInPlace : kRegistered;
       }
       call.graph_entry = &e;
@@ -344,13 +426,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   const bool slow = r.rng() % 4 == 0;
   sim::options.flag_sleep_us = r.slow_us > 0 ? r.slow_us : slow ? int(r.rng() % 200) : 0;
   sim::options.flag_sleep_percent = r.slow_us > 0 ? 100 : slow ? 20 : 0;
-  bool launched = false;
-  switch (s.dtype) {
-    case kF32: launched = launch_typed<float>(r, call); break;
-    case kF16: launched = launch_typed<__half>(r, call); break;
-    default: launched = launch_typed<__nv_bfloat16>(r, call); break;
-  }
-  if (!launched) r.fail("launch_all_reduce refused world %d", r.cfg.world);
+  if (!launch_call(r, s, call)) r.fail("the launch refused world %d", W);
   if (out_tmp != nullptr) std::memcpy(out, out_tmp, size_t(bytes));  // out.copy_(out_tmp)
 
   // Checks.
@@ -359,28 +435,29 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
     if (code != kStatusOk) {
       r.fail("status code %u (barrier %s, missing 0x%x) on a matching call", code,
              barrier_name(r.status.barrier), r.status.missing);
-    } else if (s.algo != kAgreeOnly) {
+    } else if (s.algo == kAllGather) {
       std::vector<char> want(static_cast<size_t>(bytes));
-      reference(want.data(), s.dtype, s.count, s.seed, r.cfg.world, s.average);
-      for (int64_t i = 0; i < s.count; ++i) {
-        if (std::memcmp(want.data() + i * es, out + i * es, size_t(es)) != 0) {
-          r.fail("%s %s %" PRId64 " elems algo %" PRId64 " where %d mode %d graph %d off %d/%d: element %" PRId64
-                 " is %g, want %g",
-                 kDtypeNames[s.dtype], s.average ? "avg" : "sum", s.count, s.algo, int(s.where),
-                 int(plan.mode), s.graph, s.in_off, s.out_off, i, double(to_f32(s.dtype, out + i * es)),
-                 double(to_f32(s.dtype, want.data() + i * es)));
-          break;
-        }
+      for (int q = 0; q < W; ++q) {
+        fill_input(want.data(), s.dtype, s.count, s.seed, q);
+        check_elements(r, s, plan, ("segment " + std::to_string(q)).c_str(), out + q * bytes, want.data(), s.count);
       }
+      check_segment_staging(r, s, input.data(), bytes);
+    } else if (s.algo != kAgreeOnly) {
+      // Reduce-scatter: the all-reduce reference of this rank's segment.
+      const int64_t first = s.algo == kReduceScatter ? r.rank * s.count : 0;
+      std::vector<char> want(static_cast<size_t>(bytes));
+      reference(want.data(), s.dtype, s.count, s.seed, W, s.average, first);
+      check_elements(r, s, plan, "out", out, want.data(), s.count);
+      if (s.algo == kReduceScatter) check_segment_staging(r, s, input.data(), bytes);
       const bool staged_two_shot = plan.mode == kStaged && s.graph != 2 && s.algo == kTwoShot;
-      if (staged_two_shot && r.cfg.world > 1) check_two_shot_share(r, input.data(), want.data(), bytes);
+      if (staged_two_shot && W > 1) check_two_shot_share(r, input.data(), want.data(), bytes);
     }
   } else if (expect == Expect::kMismatch) {
     if (code != kStatusMismatch) {
       r.fail("status code %u on a mismatched call, want %u", code, kStatusMismatch);
     } else {
-      for (int q = 0; q < r.cfg.world; ++q) {
-        const CallDesc want = expected_desc(specs[size_t(q)], r.status.epoch);
+      for (int q = 0; q < W; ++q) {
+        const CallDesc want = expected_desc(specs[size_t(q)], r.status.epoch, W);
         const CallDesc& got = r.status.descs[q];
         if (got.bytes != want.bytes || got.epoch != want.epoch || got.kind != want.kind) {
           r.fail("mismatch record: rank %d's descriptor (%" PRIu64 ", %u, 0x%x), want (%" PRIu64 ", %u, 0x%x)",
@@ -388,29 +465,32 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
         }
       }
     }
-    if (std::memcmp(before.data(), out, size_t(bytes)) != 0) r.fail("a mismatched call wrote its output");
+    if (std::memcmp(before.data(), out, size_t(out_bytes)) != 0) r.fail("a mismatched call wrote its output");
     std::memset(&r.status, 0, sizeof(r.status));  // the glue clears a mismatch once raised
   } else {
     if (code != kStatusDeadline || r.status.missing != missing) {
       r.fail("status code %u missing 0x%x, want a deadline with missing 0x%x", code, r.status.missing, missing);
     } else {
-      const std::string msg = deadline_message(r.status, r.rank, r.cfg.world, r.cfg.timeout_ns);
-      for (int q = 0; q < r.cfg.world; ++q) {  // (single missing ranks in these tests)
+      const std::string msg = deadline_message(r.status, r.rank, W, r.cfg.timeout_ns);
+      for (int q = 0; q < W; ++q) {  // (single missing ranks in these tests)
         const bool named = msg.find(": rank " + std::to_string(q) + " never arrived") != std::string::npos;
         if (((missing >> q) & 1u) && !named) r.fail("deadline message does not name rank %d: %s", q, msg.c_str());
       }
     }
   }
-  if (!s.in_place()) {
+  // Nothing but out is written: the input outside out is as it was, and so
+  // are the guard bytes after a separate out.
+  for (int64_t i = 0; i < in_bytes; ++i) {
+    const bool in_out = in + i >= out && in + i < out + out_bytes;
+    if (!in_out && in[i] != input[size_t(i)]) r.fail("input byte %" PRId64 " was overwritten", i);
+  }
+  if (out_alloc != nullptr) {
     for (int i = 0; i < kGuardBytes; ++i) {
-      if (uint8_t(out[bytes + i]) != kSentinel) {
-        r.fail("byte %d after the output was overwritten", i);
-        break;
-      }
+      if (uint8_t(out[out_bytes + i]) != kSentinel) r.fail("byte %d after the output was overwritten", i);
     }
   }
   // A caller may reuse its input at once: peers must be done with it.
-  if (s.algo != kAgreeOnly) std::memset(in, 0x7F, size_t(bytes));
+  if (s.algo != kAgreeOnly) std::memset(in, 0x7F, size_t(in_bytes));
   std::free(in_alloc);
   std::free(out_alloc);
   std::free(in_tmp);
@@ -538,15 +618,26 @@ std::vector<int64_t> sizes_for(int dt, const Config& cfg, int64_t max_count) {
   return out;
 }
 
-// A random call every rank makes (the same spec on every rank).
+// The most elements a call may have (reduce-scatter, all-gather: per
+// segment): what one staging buffer holds, W segments at segment_stride apart
+// for reduce-scatter.
+int64_t max_count(const CallSpec& s, const Config& cfg) {
+  const int64_t staged = s.algo == kReduceScatter ? cfg.max_bytes / cfg.world / kSegmentUnit * kSegmentUnit
+                                                  : cfg.max_bytes;
+  return staged / elem_size(s.dtype);
+}
+
+// A random call every rank makes (the same spec on every rank): one-shot,
+// two-shot, reduce-scatter or all-gather, so that one communicator's calls mix
+// all of them.
 CallSpec random_spec(std::mt19937_64& g, const Config& cfg, bool allow_graph) {
   CallSpec s;
-  s.dtype = int(g() % 3);
-  const int64_t max_count = cfg.max_bytes / elem_size(s.dtype);
-  const std::vector<int64_t> sizes = sizes_for(s.dtype, cfg, max_count);
+  const uint64_t kind = g() % 6;
+  s.algo = kind < 2 ? kOneShot : kind < 4 ? kTwoShot : kind == 4 ? kReduceScatter : kAllGather;
+  s.dtype = int(g() % (s.algo == kAllGather ? kDtypes : kReducedDtypes));
+  const std::vector<int64_t> sizes = sizes_for(s.dtype, cfg, max_count(s, cfg));
   s.count = sizes[g() % sizes.size()];
-  s.algo = g() % 2 ? kTwoShot : kOneShot;
-  s.average = g() % 2;
+  s.average = s.algo != kAllGather && g() % 2;
   s.seed = g();
   switch (g() % 6) {
     case 0: s.where = CallSpec::kPrivate; break;
@@ -558,8 +649,10 @@ CallSpec random_spec(std::mt19937_64& g, const Config& cfg, bool allow_graph) {
   if (g() % 4 == 0) s.in_off = int(1 + g() % (vec - 1 > 0 ? vec - 1 : 1));
   if (g() % 4 == 0) s.out_off = int(1 + g() % (vec - 1 > 0 ? vec - 1 : 1));
   if (g() % 4 == 0) s.in_off = int(vec * (1 + g() % 3));  // aligned, not at the buffer's start
-  if (s.in_registered() && (s.in_off + s.count) * elem_size(s.dtype) > cfg.max_bytes + 256) s.in_off = 0;
-  if (allow_graph && s.in_registered() && g() % 3 == 0) {
+  if (s.in_registered() && (s.in_off + s.in_count(cfg.world)) * elem_size(s.dtype) > cfg.max_bytes + 256) {
+    s.in_off = 0;
+  }
+  if (allow_graph && s.in_registered() && !s.segments() && g() % 3 == 0) {
     s.in_off = int(vec * (g() % 2));
     s.out_off = 0;
     if (s.where == CallSpec::kRegisteredInPlace) s.algo = kTwoShot;  // in-place entries are two-shot only
@@ -608,6 +701,45 @@ RankBody balance_script() {
   };
 }
 
+// Reduce-scatter (float32, float16, bfloat16; sum and avg in turn) and
+// all-gather (every dtype) of every boundary size, in turn private, in place
+// (the one alias each allows) and with the input in the registered buffer
+// (which they must not read in place), with misaligned input and out offsets
+// in turn, and a random call (any kind) after every third, so the staging
+// buffers pass between the kinds on one communicator. every_dtype: every
+// size in every dtype; else each size in one dtype, the next size in the next.
+RankBody segments_script(bool every_dtype) {
+  return [every_dtype](Rank& r) {
+    std::mt19937_64 g(r.cfg.seed);  // the same script on every rank
+    int i = 0;
+    for (int64_t algo : {kReduceScatter, kAllGather}) {
+      const int ndtypes = algo == kAllGather ? kDtypes : kReducedDtypes;
+      for (int dt = 0; dt < ndtypes; ++dt) {
+        CallSpec s;
+        s.algo = algo;
+        s.dtype = dt;
+        const int vec = kVecBytes / elem_size(dt);
+        const std::vector<int64_t> sizes = sizes_for(dt, r.cfg, max_count(s, r.cfg));
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          if (!every_dtype && int(k % size_t(ndtypes)) != dt) continue;
+          ++i;
+          s.count = sizes[k];
+          s.seed = g();
+          s.average = algo == kReduceScatter && i % 2 == 1;
+          s.where = i % 3 == 0 ? CallSpec::kPrivate : i % 3 == 1 ? CallSpec::kPrivateInPlace : CallSpec::kRegistered;
+          const int offsets = (i / 3) % 4;  // none, input, out, both (elements: never 16-byte aligned)
+          s.in_off = offsets & 1 ? 1 + i % (vec - 1) : 0;
+          s.out_off = offsets & 2 ? vec - 1 - i % (vec - 1) : 0;
+          run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+          if (i % 3 == 0) {
+            run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), random_spec(g, r.cfg, true)), Expect::kOk);
+          }
+        }
+      }
+    }
+  };
+}
+
 // One communicator used from two streams (the DDP hook's side stream and the
 // current stream): each rank launches its calls on two simulated streams, a
 // thread per launch that starts after its stream's previous launch, and after
@@ -643,10 +775,11 @@ RankBody streams_script(int n) {
   };
 }
 
-// Each listed way of calling differently, then matching calls (every mode, so
-// the epochs must really be back in step, zero-copy's two-epoch calls included).
-RankBody mismatch_script() {
-  return [](Rank& r) {
+// Each listed way of calling differently, then `followups` random matching
+// calls (every mode, so the epochs must really be back in step, zero-copy's
+// two-epoch calls included) and a matching agreement round.
+RankBody mismatch_script(int followups) {
+  return [followups](Rank& r) {
     const int W = r.cfg.world;
     auto same = [W](CallSpec s) { return std::vector<CallSpec>(size_t(W), s); };
     std::vector<std::vector<CallSpec>> cases;
@@ -666,6 +799,54 @@ RankBody mismatch_script() {
     vary([](CallSpec& s) { s.where = CallSpec::kRegisteredInPlace; s.algo = kTwoShot; });
     vary([](CallSpec& s) { s.where = CallSpec::kPrivateInPlace; });            // in place
     vary([](CallSpec& s) { s.algo = kAgreeOnly; });                            // fallback vs kernel
+    // Reduce-scatter and all-gather: one rank calls another collective of the
+    // same descriptor bytes (W * S), another S, op, dtype or alias; and the
+    // agreement rounds that stand for them.
+    auto collective = [W](int64_t algo, int64_t segment_count) {
+      CallSpec s;
+      s.algo = algo;
+      s.count = algo == kReduceScatter || algo == kAllGather ? segment_count : W * segment_count;
+      s.seed = 11;
+      return s;
+    };
+    auto against = [&](CallSpec all, CallSpec last) {
+      std::vector<CallSpec> v = same(all);
+      v[size_t(W - 1)] = last;
+      cases.push_back(v);
+    };
+    const int64_t n = 1500;
+    against(collective(kOneShot, n), collective(kReduceScatter, n));
+    against(collective(kReduceScatter, n), collective(kAllGather, n));
+    against(collective(kAllGather, n), collective(kTwoShot, n));
+    {
+      CallSpec s = collective(kReduceScatter, n);
+      s.count += 1;
+      against(collective(kReduceScatter, n), s);                                 // S
+      s = collective(kAllGather, n);
+      s.count -= 1;
+      against(collective(kAllGather, n), s);
+      s = collective(kReduceScatter, n);
+      s.average = true;
+      against(collective(kReduceScatter, n), s);                                 // op
+      s = collective(kReduceScatter, n);
+      s.where = CallSpec::kPrivateInPlace;
+      against(collective(kReduceScatter, n), s);                                 // alias
+      s = collective(kAllGather, n);
+      s.where = CallSpec::kPrivateInPlace;
+      against(collective(kAllGather, n), s);
+      CallSpec bytes8 = collective(kAllGather, n);
+      bytes8.dtype = kI64;
+      s = collective(kAllGather, 8 * n);
+      s.dtype = kU8;
+      against(bytes8, s);                                                        // dtype, same bytes
+      CallSpec agree_rs = collective(kAgreeOnly, n);
+      agree_rs.agree_algo = kReduceScatter;
+      CallSpec agree_ag = agree_rs;
+      agree_ag.agree_algo = kAllGather;
+      against(agree_rs, agree_ag);                                               // fallbacks of two collectives
+      against(agree_ag, collective(kAgreeOnly, n));                              // and of all-reduce
+      against(agree_rs, collective(kReduceScatter, n));                          // fallback vs kernel
+    }
     {  // zero-copy one-shot against two-shot everywhere else
       CallSpec t = base;
       t.algo = kTwoShot;
@@ -678,12 +859,14 @@ RankBody mismatch_script() {
     for (const auto& c : cases) {
       run_call(r, c, Expect::kMismatch);
       random_pause(r);
-      for (int k = 0; k < 3; ++k) {  // the next matching calls are exact
+      for (int k = 0; k < followups; ++k) {  // the next matching calls are exact
         CallSpec s = random_spec(g, r.cfg, true);
         run_call(r, same(s), Expect::kOk);
       }
-      CallSpec agree = base;  // an agreement round that matches
+      CallSpec agree = base;  // an agreement round that matches, standing for each collective in turn
       agree.algo = kAgreeOnly;
+      agree.agree_algo = (&c - cases.data()) % 3 == 0 ? kAgreeOnly : (&c - cases.data()) % 3 == 1 ? kReduceScatter
+                                                                                                  : kAllGather;
       run_call(r, same(agree), Expect::kOk);
     }
   };
@@ -725,8 +908,10 @@ WorldSetup wrap_setup(uint32_t last_epoch, bool mid_fresh) {
     }
   };
 }
-RankBody wrap_script(int one_shot_first) {
-  return [one_shot_first](Rank& r) {
+// first_algo: the calls before the two-shot ones (one-shot, or reduce-scatter
+// or all-gather, which must refresh the mid flags as one-shot does).
+RankBody wrap_script(int one_shot_first, int64_t first_algo = kOneShot) {
+  return [one_shot_first, first_algo](Rank& r) {
     std::mt19937_64 g(r.cfg.seed);
     const int64_t chunk = kChunkBytes / 4;
     if (r.rank == 1) r.slow_us = 300;  // peers run ahead into the mid barrier
@@ -734,7 +919,8 @@ RankBody wrap_script(int one_shot_first) {
       CallSpec s;
       s.count = 2 * chunk * r.cfg.nblocks * r.cfg.world + 3;
       s.seed = g();
-      s.algo = i < one_shot_first ? kOneShot : kTwoShot;
+      s.algo = i < one_shot_first ? first_algo : kTwoShot;
+      if (s.segments()) s.count = 2 * chunk * r.cfg.nblocks + 3;  // W segments fit in staging
       if (i >= one_shot_first + 3) s.where = i % 2 ? CallSpec::kRegistered : CallSpec::kRegisteredInPlace;
       run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
     }
@@ -842,10 +1028,17 @@ int main(int argc, char** argv) {
       if (procs && w != 3) continue;
       run(t, only, "balance", cfg(w, 3, 40 + uint64_t(w)), balance_script());
     }
+    // Reduce-scatter and all-gather: every world size, several grids; every
+    // size in every dtype where W <= 4 (threads, plain suite).
+    for (int w = 1; w <= kMaxRanks; ++w) {
+      const int nb = 1 + (w + 2 * int(procs)) % 4;
+      if ((quick && w > 4) || (procs && w % 3 != 1) || (tsan && w != 2)) continue;
+      run(t, only, "segments", cfg(w, nb, 20 + uint64_t(w)), segments_script(!quick && !procs && w <= 4));
+    }
     if (!tsan) run(t, only, "streams", cfg(procs ? 2 : 3, 2, 30), streams_script(quick ? 12 : 24));
     for (int w : {2, 3}) {
       if ((quick && w == 3 && procs) || (tsan && w == 3)) continue;
-      run(t, only, "mismatch", cfg(w, 2, 70 + uint64_t(w)), mismatch_script());
+      run(t, only, "mismatch", cfg(w, 2, 70 + uint64_t(w)), mismatch_script(tsan ? 1 : 3));
     }
     {
       Config c = cfg(3, 2, 80);
@@ -858,10 +1051,15 @@ int main(int argc, char** argv) {
     // Across the 32-bit wrap: from the old protocol's state (mid flags 0),
     // with the next call at 0xFFFFFFFF - 2 (two one-shot calls, then two-shot
     // at 0xFFFFFFFF and 0), and from a state right at the wrap.
+    // Reduce-scatter and all-gather as the calls before the wrap: they must
+    // store the mid flags as one-shot does.
     for (int w : {2, 3}) {
       if (quick && w == 3) continue;
       run(t, only, "wrap", cfg(w, 1, 90 + uint64_t(w)), wrap_script(2), wrap_setup(0xFFFFFFFCu, false));
       run(t, only, "wrap", cfg(w, 2, 95 + uint64_t(w)), wrap_script(0), wrap_setup(0xFFFFFFFEu, true));
+      run(t, only, "wrap", cfg(w, 2, 85 + uint64_t(w)), wrap_script(2, kReduceScatter),
+          wrap_setup(0xFFFFFFFCu, false));
+      run(t, only, "wrap", cfg(w, 1, 87 + uint64_t(w)), wrap_script(2, kAllGather), wrap_setup(0xFFFFFFFCu, false));
     }
   }
   std::printf("%d worlds, %d failed\n", t.worlds, t.failed);
