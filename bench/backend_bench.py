@@ -19,14 +19,12 @@ import torch
 import torch.distributed as dist
 
 import pyallreduce
+from pyallreduce.communicator import _dist_all_gather, _dist_reduce_scatter
 
-from compare_nccl import machine_description, parse_bytes, size_range, slowest_rank_stats, time_cpu
+from compare_nccl import machine_description, size_range, slowest_rank_stats, time_cpu
 from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-# torch >= 2.14 names the tensor forms *_single and warns on every call of the older names.
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 PATHS = ("gloo", "backend", "direct")  # dist.* on gloo, dist.* on pyallreduce, Communicator methods
 
 
@@ -66,12 +64,12 @@ def calls(collective, nbytes, rank, world, group, comm):
         out = torch.empty(seg)
         want = sum(exact(numel, q) for q in range(world))[rank * seg:(rank + 1) * seg]
         run = ((lambda: comm.reduce_scatter(x, out=out)) if comm
-               else (lambda: _reduce_scatter_tensor(out, x, group=group)))
+               else (lambda: _dist_reduce_scatter(out, x, group=group)))
         return run, lambda: out, want, None
     x = exact(seg, rank)
     out = torch.empty(numel)
     want = torch.cat([exact(seg, q) for q in range(world)])
-    run = (lambda: comm.all_gather(x, out=out)) if comm else (lambda: _all_gather_tensor(out, x, group=group))
+    run = (lambda: comm.all_gather(x, out=out)) if comm else (lambda: _dist_all_gather(out, x, group=group))
     return run, lambda: out, want, None
 
 

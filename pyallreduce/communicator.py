@@ -37,6 +37,9 @@ _all_reduce_out = torch.ops.pyallreduce.all_reduce_out.default
 _all_reduce_inplace = torch.ops.pyallreduce.all_reduce_.default
 _reduce_scatter_out = torch.ops.pyallreduce.reduce_scatter_out.default
 _all_gather_out = torch.ops.pyallreduce.all_gather_out.default
+# torch >= 2.14 names the tensor forms *_single and warns on every call of the older names.
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 _logged = set()
 
@@ -753,11 +756,11 @@ class Communicator:
             raise ValueError(f"pyallreduce: op='avg' is not defined for {src.dtype}; use op='sum'")
         work = torch.empty(dst.numel(), dtype=dst.dtype, device=dst.device)
         if scatters:
-            dist.reduce_scatter_tensor(work, src.contiguous().view(-1), op=dist.ReduceOp.SUM, group=self.group)
+            _dist_reduce_scatter(work, src.contiguous().view(-1), op=dist.ReduceOp.SUM, group=self.group)
             if average:
                 work.div_(self.world_size)
         else:
-            dist.all_gather_into_tensor(work, src.contiguous().view(-1), group=self.group)
+            _dist_all_gather(work, src.contiguous().view(-1), group=self.group)
         dst.copy_(work.view(dst.shape))
 
     def _agree(self, src, dst, average, mode, algo=None):
