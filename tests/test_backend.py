@@ -240,6 +240,23 @@ def test_reduce_scatter_all_gather_and_their_forms_match_gloo(tmp_path, world):
     run_ranks(_scatter_gather, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
 
 
+def _train_on_both(train, store_file, what):
+    """train() with gloo (run_ranks' group), then with "pyallreduce": the largest
+    difference of each parameter, after checking `what` ran on the communicator."""
+    reference = train()
+    impl = reinit("pyallreduce", store_file)
+    params = train()
+    assert impl._comms[CPU]._calls > 0, f"{what} did not run on the communicator"
+    return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
+
+
+def assert_matches_gloo(diffs, world):
+    # 2 ranks: a + b is one rounding whatever the order, so bitwise equal. More:
+    # gloo's order is not ours (rank order 0..W-1), so the last bits may differ.
+    limit = 0.0 if world == 2 else 1e-5
+    assert max(max(d) for d in diffs) <= limit, diffs
+
+
 def _fsdp2(rank, world_size, store_file):
     from torch.distributed.fsdp import fully_shard
 
@@ -258,20 +275,12 @@ def _fsdp2(rank, world_size, store_file):
             opt.step()
         return [p.full_tensor().detach().clone() for p in model.parameters()]
 
-    reference = train()
-    impl = reinit("pyallreduce", store_file)
-    params = train()
-    assert impl._comms[CPU]._calls > 0, "FSDP2's collectives did not run on the communicator"
-    return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
+    return _train_on_both(train, store_file, "FSDP2's collectives")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_fully_shard_matches_gloo(tmp_path, world):
-    diffs = run_ranks(_fsdp2, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
-    # 2 ranks: a + b is one rounding whatever the order, so bitwise equal. More:
-    # gloo's order is not ours (rank order 0..W-1), so the last bits may differ.
-    limit = 0.0 if world == 2 else 1e-5
-    assert max(max(d) for d in diffs) <= limit, diffs
+    assert_matches_gloo(run_ranks(_fsdp2, world, str(tmp_path / "store"), timeout=TIMEOUT * 2), world)
 
 
 def _tensor_parallel(rank, world_size, store_file):
@@ -292,18 +301,12 @@ def _tensor_parallel(rank, world_size, store_file):
             opt.step()
         return [p.full_tensor().detach().clone() for p in model.parameters()]
 
-    reference = train()
-    impl = reinit("pyallreduce", store_file)
-    params = train()
-    assert impl._comms[CPU]._calls > 0, "the row-parallel all-reduces did not run on the communicator"
-    return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
+    return _train_on_both(train, store_file, "the row-parallel all-reduces")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_row_and_column_parallel_linear_matches_gloo(tmp_path, world):
-    diffs = run_ranks(_tensor_parallel, world, str(tmp_path / "store"), timeout=TIMEOUT * 2)
-    limit = 0.0 if world == 2 else 1e-5
-    assert max(max(d) for d in diffs) <= limit, diffs
+    assert_matches_gloo(run_ranks(_tensor_parallel, world, str(tmp_path / "store"), timeout=TIMEOUT * 2), world)
 
 
 def _subgroup(rank, world_size, store_file):
