@@ -91,10 +91,21 @@ def extensions():
     ]
 
 
+# Objects and ninja's log live here between builds, so a rebuild compiles only
+# what changed: pip's editable and wheel builds hand build_ext a new temporary
+# build_temp each time, where ninja would find nothing to reuse. Ignored by git.
+PERSISTENT_BUILD_TEMP = ROOT / "build" / "temp"
+
+
 def cmdclass():
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    class Build(BuildExtension.with_options(use_ninja=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = str(PERSISTENT_BUILD_TEMP)
+
+    return {"build_ext": Build}
 
 
 setup(

@@ -1,18 +1,28 @@
 """All-reduce on a machine that is not idle: more ranks than cores, and other
-processes competing for them. Compares pyallreduce with gloo on the same loop.
+processes competing for them. Compares pyallreduce with gloo, alternating.
 
     python bench/busy.py                                  # 4 CPU ranks; loads 0 and 2; writes nothing
     python bench/busy.py --nproc 4 --loads 0,2 --ddp --json bench/results/busy-cpu-4ranks.json
+    python bench/busy.py --back-to-back --nproc 2 --loads 2,4,compile --json bench/results/busy-b2b-cpu-2ranks.json
 
-Each rank runs --iters iterations of: a slice of real compute (a small matmul
-repeated k times, k drawn per rank and iteration from a schedule every rank
-shares, so some ranks arrive late), then one all-reduce of the given size.
-The loop time (slowest rank, wall clock, whole loop) is what a training job
-sees: time a waiting rank spends spinning is time the late rank, or another
-process, does not get. Conditions:
+Compute between calls (the default): each rank runs --iters iterations of a
+slice of real compute (a small matmul repeated k times, k drawn per rank and
+iteration from a schedule every rank shares, so some ranks arrive late), then
+one all-reduce of the given size. The loop time (slowest rank, wall clock,
+whole loop) is what a training job sees: time a waiting rank spends spinning
+is time the late rank, or another process, does not get.
 
-  load 0   only the ranks (with --nproc above the core count: oversubscribed)
-  load N   N extra processes spinning on the CPU at the ranks' priority
+--back-to-back: no compute between calls (DDP's small buckets at the end of
+backward, FSDP's all-gathers, a benchmark), where a waiting rank most often
+finds its peer descheduled. Every call is timed on every rank; a call's time
+is the slowest rank's; the table gives the median and p99 over all calls of
+all repeats.
+
+Conditions (--loads):
+  0        only the ranks (with --nproc above the core count: oversubscribed)
+  N        N extra processes spinning on the CPU at the ranks' priority
+  compile  a real compile beside the ranks: one g++ build of the host-shim
+           harness (tests/sim/harness.cpp) per core, restarted as each ends
 
 With --ddp, bench/ddp_train.py also runs under each load (DDP's own gloo
 all-reduce against pyallreduce's hook), --repeats times. Each condition runs
@@ -47,8 +57,13 @@ def parse_size(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(p, nproc=4, device="cpu")
-    p.add_argument("--sizes", default="4K,64K,1M", help="all-reduce sizes in bytes, fp32 (default 4K,64K,1M)")
-    p.add_argument("--loads", default="0,2", help="numbers of extra spinning processes (default 0,2)")
+    p.add_argument("--sizes", help="all-reduce sizes in bytes, fp32 (default 4K,64K,1M; "
+                   "back to back 256,4K,64K,1M,16M)")
+    p.add_argument("--loads", default="0,2",
+                   help="conditions: numbers of extra spinning processes, or 'compile' (default 0,2)")
+    p.add_argument("--back-to-back", action="store_true", help="no compute between calls; per-call times")
+    p.add_argument("--calls", type=int, default=200,
+                   help="back to back: timed calls per measurement, fewer for large sizes (default 200)")
     p.add_argument("--iters", type=int, default=150, help="loop iterations per measurement (default 150)")
     p.add_argument("--work", type=int, default=6,
                    help="most matmuls a rank does per iteration; each draws 0..work (default 6)")
@@ -56,7 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--ddp", action="store_true", help="also run bench/ddp_train.py under each load")
     p.add_argument("--ddp-steps", type=int, default=20, help="timed DDP steps per run (default 20)")
     p.add_argument("--json", type=Path, help="write configuration and results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = "256,4K,64K,1M,16M" if args.back_to_back else "4K,64K,1M"
+    return args
 
 
 # ---- one condition, inside the ranks ---------------------------------------------------
@@ -77,6 +95,28 @@ def loop_seconds(reduce, x, args, seed):
     return time.perf_counter() - start
 
 
+def calls_for(size, args):
+    """Back to back: fewer calls for large sizes, so a slow condition still ends."""
+    return max(20, min(args.calls, (64 << 20) // size))
+
+
+def call_seconds(reduce, x, calls):
+    """Back to back: the time of every call on this rank (a float64 tensor)."""
+    times = torch.empty(calls, dtype=torch.float64)
+    for _ in range(3):  # warm-up: first-touch of buffers, gloo's pairs
+        reduce(x)
+    dist.barrier()
+    for i in range(calls):
+        start = time.perf_counter()
+        reduce(x)
+        times[i] = time.perf_counter() - start
+    return times
+
+
+def percentile(values, q):
+    return float(torch.quantile(torch.as_tensor(values, dtype=torch.float64), q))
+
+
 def rank_main(args):
     init_group("cpu")
     import pyallreduce
@@ -93,12 +133,23 @@ def rank_main(args):
         for rep in range(args.repeats):
             for backend in BACKENDS:
                 x.fill_(1.0)
-                mine = loop_seconds(reducers[backend], x, args, seed=rep)
-                every = [None] * dist.get_world_size()
-                dist.all_gather_object(every, mine)
-                times[backend].append(max(every))
-        rows.append(dict(bytes=size, **{f"{b}_loop_s": statistics.median(t) for b, t in times.items()},
-                         **{f"{b}_runs_s": t for b, t in times.items()}))
+                if args.back_to_back:
+                    mine = call_seconds(reducers[backend], x, calls_for(size, args))
+                    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+                    dist.all_gather(every, mine)
+                    times[backend] += torch.stack(every).amax(0).tolist()  # a call's slowest rank
+                else:
+                    mine = loop_seconds(reducers[backend], x, args, seed=rep)
+                    every = [None] * dist.get_world_size()
+                    dist.all_gather_object(every, mine)
+                    times[backend].append(max(every))
+        if args.back_to_back:
+            rows.append(dict(bytes=size, calls=len(times["gloo"]),
+                             **{f"{b}_median_s": statistics.median(t) for b, t in times.items()},
+                             **{f"{b}_p99_s": percentile(t, 0.99) for b, t in times.items()}))
+        else:
+            rows.append(dict(bytes=size, **{f"{b}_loop_s": statistics.median(t) for b, t in times.items()},
+                             **{f"{b}_runs_s": t for b, t in times.items()}))
     comm.close()
     if dist.get_rank() == 0:
         Path(os.environ["BUSY_OUT"]).write_text(json.dumps(rows))
@@ -108,16 +159,27 @@ def rank_main(args):
 # ---- the driver ---------------------------------------------------------------------------
 
 
-def start_load(n):
+def start_load(load):
+    """The processes of one condition (see the module docstring)."""
+    if load == "compile":
+        sys.path.insert(0, str(HERE.parent / "tests" / "sim"))
+        from build import command  # the harness's own compile command
+
+        out = Path(tempfile.gettempdir()) / f"busy-harness-{os.getpid()}"
+        loop = f"while :; do {' '.join(command(out))} || exit 1; done"
+        return [subprocess.Popen(["bash", "-c", loop]) for _ in os.sched_getaffinity(0)]
     spin = "while True:\n    pass\n"
-    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(int(load))]
 
 
 def stop_load(procs):
     for p in procs:
+        if p.args[0] == "bash":  # the compile loop: its g++ and g++'s cc1plus first
+            subprocess.run(["pkill", "-KILL", "-f", f"busy-harness-{os.getpid()}"], check=False)
         p.kill()
     for p in procs:
         p.wait()
+    Path(tempfile.gettempdir(), f"busy-harness-{os.getpid()}").unlink(missing_ok=True)
 
 
 def run_ddp(args):
@@ -133,15 +195,35 @@ def run_ddp(args):
     return {mode: statistics.median(r[mode] for r in runs) for mode in runs[0]}, runs
 
 
+def print_rows(load, rows, back_to_back):
+    for r in rows:
+        if back_to_back:
+            ours, gloo = r["pyallreduce_median_s"], r["gloo_median_s"]
+            print(f"{load:>7} {r['bytes']:>8} {ours * 1e6:>10.1f} {r['pyallreduce_p99_s'] * 1e6:>10.1f} "
+                  f"{gloo * 1e6:>10.1f} {r['gloo_p99_s'] * 1e6:>10.1f} {gloo / ours:>8.2f} "
+                  f"{r['gloo_p99_s'] / r['pyallreduce_p99_s']:>8.2f}")
+        else:
+            ours, gloo = r["pyallreduce_loop_s"], r["gloo_loop_s"]
+            print(f"{load:>7} {r['bytes']:>8} {ours:>14.3f} {gloo:>10.3f} {gloo / ours:>10.2f}")
+
+
 def main():
     args = parse_args()
     if under_torchrun():
         return rank_main(args)
     conditions = []
-    print(f"# {args.nproc} ranks on {len(os.sched_getaffinity(0))} cores, fp32, {args.iters} iterations "
-          f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}")
-    print(f"{'load':>4} {'size':>8} {'pyallreduce s':>14} {'gloo s':>10} {'gloo/ours':>10}")
-    for load in [int(n) for n in args.loads.split(",")]:
+    cores = len(os.sched_getaffinity(0))
+    if args.back_to_back:
+        print(f"# {args.nproc} ranks on {cores} cores, fp32, back to back; per call (slowest rank), "
+              f"median and p99 over {args.repeats} alternating runs, microseconds")
+        print(f"{'load':>7} {'size':>8} {'ours med':>10} {'ours p99':>10} {'gloo med':>10} {'gloo p99':>10} "
+              f"{'x med':>8} {'x p99':>8}")
+    else:
+        print(f"# {args.nproc} ranks on {cores} cores, fp32, {args.iters} iterations "
+              f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}")
+        print(f"{'load':>7} {'size':>8} {'pyallreduce s':>14} {'gloo s':>10} {'gloo/ours':>10}")
+    for load in args.loads.split(","):
+        load = load if load == "compile" else int(load)
         procs = start_load(load)
         try:
             with tempfile.TemporaryDirectory() as tmp:
@@ -151,20 +233,20 @@ def main():
                 if code:
                     sys.exit(f"a rank failed with exit code {code}")
                 rows = json.loads(Path(os.environ["BUSY_OUT"]).read_text())
+            loadavg = os.getloadavg()  # the 1-minute average: the run is about that long
             ddp, ddp_runs = run_ddp(args) if args.ddp else (None, None)
         finally:
             stop_load(procs)
-        for r in rows:
-            ratio = r["gloo_loop_s"] / r["pyallreduce_loop_s"]
-            print(f"{load:>4} {r['bytes']:>8} {r['pyallreduce_loop_s']:>14.3f} {r['gloo_loop_s']:>10.3f} "
-                  f"{ratio:>10.2f}")
+        print_rows(load, rows, args.back_to_back)
         if ddp:
-            print(f"{load:>4} {'DDP step':>8} {ddp['pyallreduce']:>14.4f} {ddp['default']:>10.4f} "
+            print(f"{load:>7} {'DDP step':>8} {ddp['pyallreduce']:>14.4f} {ddp['default']:>10.4f} "
                   f"{ddp['default'] / ddp['pyallreduce']:>10.2f}")
-        conditions.append(dict(load=load, rows=rows, ddp_step_s=ddp, ddp_runs_step_s=ddp_runs))
+        print(f"# load average after load {load}: {loadavg[0]:.2f} (1 min), {loadavg[1]:.2f} (5 min)")
+        conditions.append(dict(load=load, loadavg=loadavg, rows=rows, ddp_step_s=ddp, ddp_runs_step_s=ddp_runs))
     if args.json:
-        doc = dict(nproc=args.nproc, cores=len(os.sched_getaffinity(0)), iters=args.iters, work=args.work,
-                   repeats=args.repeats, cpu=platform.processor() or platform.machine(), host=platform.node(),
+        doc = dict(nproc=args.nproc, cores=cores, back_to_back=args.back_to_back, iters=args.iters,
+                   work=args.work, calls=args.calls, repeats=args.repeats,
+                   cpu=platform.processor() or platform.machine(), host=platform.node(),
                    torch=torch.__version__, date=time.strftime("%Y-%m-%d"), conditions=conditions)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -104,6 +104,7 @@ class LoopbackGroup:
                 self.regions.append(_C.cuda_alloc_region(device, _C.region_bytes(max_bytes)))
             for r in range(world):
                 self.handles.append(_C.create_context(self.regions, r, max_bytes, nblocks, timeout, device, []))
+                _C.cuda_prepare(self.handles[-1])
         except BaseException:
             self.close()
             raise

@@ -23,13 +23,18 @@ functions that need the group *registered* in torch's world table, which it
 is only after the creator returns. Torch hands the creator the ProcessGroup
 (extended API), which the Communicator is given at the first call. Its
 exchanges come back into this backend, which sends them to the inner backend
-(they arrive while _busy is set), as it does the Communicator's own fallback
-collectives. Every rank reaches the first served call at the same collective
+(they arrive on a thread that is serving a call), as it does the
+Communicator's own fallback collectives. "Serving" is per thread: a collective
+that another thread issues meanwhile is the user's, and waits its turn for the
+Communicator (as NCCL orders a process's collectives) instead of slipping into
+the inner backend on one rank and into pyallreduce on another. Every rank reaches the first served call at the same collective
 (the choice depends only on the collective, op and device, which a correct
 program keeps equal across ranks), so the collective construction is safe.
 """
+import contextlib
 import datetime
 import functools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -96,7 +101,10 @@ class PyallreduceBackend(_C10dBackend):
         self._group = process_group
         self._inner = {}  # device type -> the inner gloo / NCCL backend, made at first use
         self._comms = {}  # torch.device -> Communicator
-        self._busy = False  # inside a Communicator call: its own torch.distributed calls go to the inner backend
+        # The thread inside a Communicator call (or its construction or close): its
+        # torch.distributed calls are the Communicator's own and go to the inner backend.
+        self._serving = threading.local()
+        self._turn = threading.Lock()  # one served call at a time; other threads wait
         self._closed = False
         self._inner_backend("cpu")  # gloo's rendezvous now, as every rank creates the group
 
@@ -179,31 +187,37 @@ class PyallreduceBackend(_C10dBackend):
         CUDA device; anything else goes to the inner backend (`args` as given).
         Errors are raised by the Work's wait(), as torch's backends do."""
         device = tensors[0].device if tensors else None
-        if (self._busy or device is None or device.type not in ("cpu", "cuda")
+        if (self._is_serving() or device is None or device.type not in ("cpu", "cuda")
                 or any(t.device != device or t.layout != torch.strided for t in tensors)):
-            why = None if self._busy else "tensors on several devices, sparse, or of a device it does not serve"
+            why = None if self._is_serving() else "tensors on several devices, sparse, or of a device it does not serve"
             return self._inner_call(name, why, *args)
         try:
-            comm = self._communicator(device)
-            self._busy = True
-            try:
-                run(comm)
-            finally:
-                self._busy = False
+            with self._turn, self._serve_here():
+                run(self._communicator(device))
         except Exception as e:
             return CompletedWork(result if result is not None else tensors, e)
         return CompletedWork(result if result is not None else tensors)
 
+    def _is_serving(self):
+        return getattr(self._serving, "active", False)
+
+    @contextlib.contextmanager
+    def _serve_here(self):
+        """Marks this thread as inside a Communicator call (see _serving)."""
+        self._serving.active = True
+        try:
+            yield
+        finally:
+            self._serving.active = False
+
     def _communicator(self, device):
+        """The Communicator for `device`, made at its first call. Caller holds _turn
+        and is serving (its setup exchanges go to the inner backend)."""
         if self._closed:
             raise RuntimeError(f"pyallreduce: this {NAME} process group was destroyed")
         comm = self._comms.get(device)
         if comm is None:
-            self._busy = True  # its setup exchanges go to the inner backend
-            try:
-                comm = Communicator(self._group, device=device, timeout=self._timeout)
-            finally:
-                self._busy = False
+            comm = Communicator(self._group, device=device, timeout=self._timeout)
             self._comms[device] = comm
         return comm
 
@@ -225,7 +239,7 @@ class PyallreduceBackend(_C10dBackend):
     def _inner_call(self, name, why, *args):
         """Backend method `name` of the inner backend for the arguments' device
         (gloo when they hold no CUDA tensor), logging `why` once per kind."""
-        if why is not None and not self._busy:
+        if why is not None and not self._is_serving():
             log_once(f"backend {NAME}: {name} is served by the inner backend: {why}")
         return getattr(self._inner_backend(_device_type(args)), name)(*args)
 
@@ -239,17 +253,23 @@ class PyallreduceBackend(_C10dBackend):
         self._release()
 
     def _release(self):
-        if self._closed:
-            return
-        self._closed = True
-        comms, self._comms = list(self._comms.values()), {}
-        self._group = None  # breaks the cycle group -> backend -> group
-        try:
-            for comm in comms:  # CUDA ones are collective: every rank destroys the group
-                comm.close()
-        finally:
-            for inner in self._inner.values():
-                inner.shutdown()
+        with self._turn:
+            if self._closed:
+                return
+            self._closed = True
+            comms, self._comms = list(self._comms.values()), {}
+            self._group = None  # breaks the cycle group -> backend -> group
+            try:
+                # A CUDA communicator's close is collective (its transport agrees
+                # with the peers through this very group, which torch still routes
+                # here during destroy_process_group): serving, so that exchange
+                # goes to the inner backends, which close only after it.
+                with self._serve_here():
+                    for comm in comms:
+                        comm.close()
+            finally:
+                for inner in self._inner.values():
+                    inner.shutdown()
 
 
 def _device_type(args):

@@ -121,10 +121,16 @@ class Communicator:
         self.fallback_reason = self._unsupported_group_reason()
         if self.fallback_reason is None:
             self._transport = self._make_transport()
-            if self.backend != "triton":
+            if self.backend == "triton":
+                from . import triton_kernels
+
+                triton_kernels.prepare(self._transport.regions, self.device)
+            else:
                 self._handle = _C.create_context(
                     self._transport.regions, self.rank, self.max_bytes, self.nblocks, self.timeout_s,
                     self.device.index if self.device.type == "cuda" else -1, self._transport.pids)
+                if self._cuda_kernels:  # here, not at the first call, which may be inside a capture
+                    _C.cuda_prepare(self._handle)
         else:
             log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
         _live.add(self)
@@ -514,6 +520,7 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         transport, self._transport = self._transport, None
+        regions = list(transport.regions) if transport is not None else []  # close() empties them
         try:
             if self._cuda_kernels:
                 from .transport.cuda_ipc import synchronize_quietly
@@ -535,6 +542,10 @@ class Communicator:
                         transport.close(sync=sync)
                     else:
                         transport.close()
+                    if self.backend == "triton":  # its kernels have finished (transport.close waited)
+                        from . import triton_kernels
+
+                        triton_kernels.release(regions, self.device)
 
     @property
     def _cuda_kernels(self):
@@ -661,6 +672,11 @@ class Communicator:
         if src.numel() == 0:
             self._agree(src, dst, average, _C.MODE_STAGED)
             return
+        # Chunks are checked one pair at a time below: chunk k's out could be chunk k+1's input.
+        # (Not while tracing: torch.compile cannot compare data pointers.)
+        problem = None if dst is src or torch.compiler.is_compiling() else partial_overlap_problem(src, dst)
+        if problem is not None:
+            raise RuntimeError(problem)
         contiguous_dst = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         flat_src = src.contiguous().view(-1)
         flat_dst = contiguous_dst.view(-1)
@@ -770,8 +786,11 @@ class Communicator:
         raise instead of each waiting in a different collective. Groups the
         communicator does not serve at all have no shared memory to meet in;
         under torch.compile the round is skipped (the compiled graph holds only
-        the torch.distributed collective)."""
-        if self._transport is None or torch.compiler.is_compiling():
+        the torch.distributed collective), and so it is inside a CUDA graph
+        capture, where it cannot wait for its answer (the captured calls are
+        compared when comm.capture() exits)."""
+        if (self._transport is None or torch.compiler.is_compiling()
+                or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return
         self._calls += 1
         algo = _C.AGREE_ONLY if algo is None else algo
@@ -885,6 +904,16 @@ def _overlaps(a, b):
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def partial_overlap_problem(src, dst):
+    """The error for an all-reduce whose out overlaps its input without being
+    the same memory, or None (the Python twin of csrc/module.cpp's rule): the
+    kernels and the rounds read input that out has already overwritten."""
+    same = src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride()
+    if not same and _overlaps(src, dst):
+        return "pyallreduce: out overlaps the input; pass the same tensor (all_reduce_) or a separate one"
+    return None
 
 
 def _is_segment(part, whole, rank, world_size):

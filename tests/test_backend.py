@@ -6,6 +6,7 @@ in the test's tmp_path) and compares bitwise: the inputs are small integers, so
 every sum and every average over 2 ranks is exact in every dtype.
 """
 import os
+import time
 
 import pytest
 import torch
@@ -355,3 +356,76 @@ def _timeout(rank, world_size, store_file):
 
 def test_the_process_group_timeout_applies(tmp_path):
     run_ranks(_timeout, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _collective_close(rank, world_size, store_file):
+    """A CUDA Communicator's close agrees with its peers through the group
+    (CudaIpcTransport.close -> agree -> all_gather_object), which torch still
+    routes to this backend during destroy_process_group. The CPU close is
+    local, so the test gives it the same collective step."""
+    reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))  # the communicator exists
+    comm = dist.group.WORLD._get_backend(CPU)._comms[CPU]
+    close, gathered = comm.close, []
+
+    def collective_close():
+        every = [None] * world_size
+        dist.all_gather_object(every, ("closing", rank), group=comm.group)
+        gathered.append(every)
+        close()
+
+    comm.close = collective_close
+    dist.destroy_process_group()
+    assert gathered == [[("closing", r) for r in range(world_size)]]
+    assert comm.closed
+    # torch's tables were cleared: a new group can start.
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world_size)
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((4,), 3.0))
+
+
+def test_destroy_process_group_closes_collectively(tmp_path):
+    run_ranks(_collective_close, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _second_thread(rank, world_size, store_file):
+    """A collective from a second thread while a served call runs waits its
+    turn for the Communicator: both ranks serve both calls in the same order."""
+    import threading
+
+    reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))
+    backend = dist.group.WORLD._get_backend(CPU)
+    comm = backend._comms[CPU]
+    started, inner_calls = threading.Event(), []
+    real = comm.all_reduce_
+
+    def slow_all_reduce(t, op="sum", algo="auto"):
+        if t.numel() == 5:  # the main thread's call: let the other thread try meanwhile
+            started.set()
+            time.sleep(0.5)
+        return real(t, op, algo)
+
+    comm.all_reduce_ = slow_all_reduce
+    inner = backend._inner_call
+    backend._inner_call = lambda name, why, *a: inner_calls.append(name) or inner(name, why, *a)
+    y = torch.full((3,), float(rank + 1))
+
+    def other():
+        started.wait(30)
+        dist.all_reduce(y)
+
+    t = threading.Thread(target=other)
+    t.start()
+    x = torch.full((5,), float(rank + 1))
+    dist.all_reduce(x)
+    t.join(60)
+    assert not t.is_alive()
+    assert torch.equal(x, torch.full((5,), 3.0)) and torch.equal(y, torch.full((3,), 3.0))
+    assert inner_calls == [], f"served by the inner backend: {inner_calls}"
+    assert comm._calls >= 3
+
+
+def test_a_second_thread_waits_its_turn(tmp_path):
+    run_ranks(_second_thread, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)

@@ -177,3 +177,21 @@ def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):
         assert r["wrong"] == 0 and r["world"] == 2, r
         assert all(r[f"{p}_us"] > 0 for p in ("gloo", "backend", "direct")), r
         assert r["overhead_us"] == pytest.approx(r["backend_us"] - r["direct_us"]), r
+
+
+def test_busy_back_to_back_run_writes_per_call_medians_and_p99(tmp_path):
+    """bench/busy.py --back-to-back, the busy-machine benchmark (short: one
+    size, one spinning process): per-call times for both backends."""
+    out = tmp_path / "busy.json"
+    cmd = [sys.executable, str(bench_scripts.BENCH_DIR / "busy.py"), "--back-to-back", "--nproc", "2", "--loads",
+           "1", "--sizes", "4K", "--calls", "20", "--repeats", "2", "--json", str(out)]
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["back_to_back"] and report["nproc"] == 2
+    [condition] = report["conditions"]
+    assert condition["load"] == 1 and len(condition["loadavg"]) == 3
+    [row] = condition["rows"]
+    assert row["bytes"] == 4096 and row["calls"] == 2 * 20  # every call of both repeats
+    for backend in ("pyallreduce", "gloo"):
+        assert 0 < row[f"{backend}_median_s"] <= row[f"{backend}_p99_s"]

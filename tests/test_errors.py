@@ -43,6 +43,11 @@ def bad_input(rank, world):
     # out overlapping the input (large messages go in rounds: it would read what it wrote).
     buf = torch.ones(16)
     expect(RuntimeError, "out overlaps the input", comm.all_reduce, buf[:8], out=buf[4:12])
+    # ... also when the call is chunked and no chunk's out overlaps that chunk's input.
+    chunk = comm.max_bytes // 4
+    big = torch.ones(5 * chunk)
+    expect(RuntimeError, "out overlaps the input", comm.all_reduce, big[:4 * chunk], out=big[chunk:])
+    assert torch.equal(big, torch.ones(5 * chunk)), "a refused call wrote"
     expect(RuntimeError, r"capture\(\) is for CUDA graphs", comm.capture().__enter__)
     # Nothing above moved data: the communicator still works.
     assert torch.equal(comm.all_reduce(x), torch.full((8,), float(world)))

@@ -291,6 +291,9 @@ def deadline_and_checks(rank, world):
             tk.all_reduce(ints, ints, *args, _C.ONE_SHOT, False, short)
         with pytest.raises(ValueError, match="unknown algorithm"):
             tk.all_reduce(x, out, *args, 7, False, short)
+        with pytest.raises(ValueError, match="out overlaps the input"):  # programs would read what others wrote
+            buf = torch.ones(2000)
+            tk.all_reduce(buf[:1000], buf[500:1500], *args, _C.ONE_SHOT, False, short)
 
         # Warm-up, so that no rank arrives late at the calls below because it
         # is still preparing a kernel; and these must succeed.

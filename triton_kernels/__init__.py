@@ -10,10 +10,11 @@ signal.py).
 import torch
 
 from pyallreduce import _C
+from pyallreduce.communicator import partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
 
-__all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "reduce_scatter"]
+__all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "prepare", "reduce_scatter", "release"]
 
 
 class CallMismatch(RuntimeError):
@@ -25,23 +26,35 @@ class CallMismatch(RuntimeError):
 _LAUNCHERS = {_C.ONE_SHOT: one_shot.launch, _C.TWO_SHOT: two_shot.launch}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (regions, device) -> (int64 tensor of the region bases, the int32 status
-# record, a numpy view of it). Built once per communicator, so a call costs one
-# launch and one read of the record's code. On a GPU the record lives in
-# pinned host memory (signal.py explains why).
+# record, a numpy view of it), so a call costs one launch and one read of the
+# record's code. On a GPU the record lives in pinned host memory (signal.py
+# explains why). Made by prepare() when a communicator is created (never inside
+# a CUDA graph capture, where pinned allocation and the copy to the device are
+# not permitted) and dropped by release() when it closes, after its kernels
+# finished: a kernel may still write the record until then.
 _device_args = {}
-_MAX_CACHED = 64
+
+
+def prepare(regions, device):
+    """Makes the arguments every call on these regions passes (see _device_args)."""
+    key = (tuple(regions), torch.device(device))
+    if key not in _device_args:
+        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("pyallreduce: the first Triton call on these regions is inside a CUDA graph "
+                               "capture, which does not permit allocating its status record; create the "
+                               "Communicator (or make one call) before capturing")
+        status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
+        _device_args[key] = (torch.tensor(key[0], dtype=torch.int64, device=key[1]), status, status.numpy())
+    return _device_args[key]
+
+
+def release(regions, device):
+    """Drops what prepare() made; no kernel on these regions may still run."""
+    _device_args.pop((tuple(regions), torch.device(device)), None)
 
 
 def _args_for(regions, device):
-    key = (tuple(regions), device)
-    args = _device_args.get(key)
-    if args is None:
-        if len(_device_args) >= _MAX_CACHED:
-            _device_args.clear()
-        status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
-        args = (torch.tensor(key[0], dtype=torch.int64, device=device), status, status.numpy())
-        _device_args[key] = args
-    return args
+    return _device_args.get((tuple(regions), device)) or prepare(regions, device)
 
 
 def _check_group(regions, rank, world_size, nblocks, device):
@@ -70,6 +83,9 @@ def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):
         raise ValueError(f"pyallreduce: {input.nbytes} bytes exceed the staging buffer (max_bytes={max_bytes})")
     if algo not in _LAUNCHERS:
         raise ValueError(f"pyallreduce: unknown algorithm id {algo}")
+    problem = partial_overlap_problem(input, out)
+    if problem is not None:
+        raise ValueError(problem)
     _check_group(regions, rank, world_size, nblocks, input.device)
 
 

@@ -5,7 +5,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -16,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 
@@ -35,18 +35,44 @@ constexpr int64_t kRoundBytes = 256 << 10;  // see run_rounds; a multiple of eve
 // left to notice contention with, so one short call must not end it.
 constexpr int kContendedCalls = 100;
 
-// Waiting for a peer, in three stages (see wait_reached):
-//   spin with pause    the peer is running and a few microseconds away: the
-//                      common case on an idle machine, where latency is all;
-//   sched_yield        our core may be what the peer needs (more ranks than
-//                      cores): hand it over, but stay runnable;
-//   sleep on a futex   the peer is far away (uneven compute before the call, a
-//                      busy machine): stop taking a core from anyone. The peer's
-//                      flag store wakes us (signal_peers checks our sleep word).
-constexpr int kPauseSpins = 128;   // ~5 us of pause on recent x86
-constexpr auto kYieldFor = std::chrono::microseconds(20);
+// Waiting for a peer, in two stages, each bounded in wall time (wait_reached):
+//   spin with pause   for kSpinFor: the peer is running and microseconds away,
+//                     the common case on an idle machine, where latency is all;
+//   sleep on a futex  past that: the peer is descheduled (another process or
+//                     rank holds its core) or far away (uneven compute). Our
+//                     core goes to whoever wants it, maybe the very peer we
+//                     wait for, and the peer's flag store wakes us
+//                     (signal_peers checks our sleep word, so an idle waker
+//                     makes no syscall). One sleep lasts at most
+//                     kLivenessCheckPeriod, so the deadline and a dead peer
+//                     are noticed in time.
+// No sched_yield stage: under EEVDF (Linux >= 6.6) one yield beside a busy
+// process can hand it a whole slice (ms), and a stage counted in yields then
+// lasts as long as the scheduler likes (docs/architecture.md, "Waiting on a
+// busy CPU"). The clock is read every kSpinsPerClockCheck pauses (a vDSO read
+// costs tens of nanoseconds), so a spin that was descheduled ends at its next look.
+constexpr auto kSpinFor = std::chrono::microseconds(20);
 constexpr int kSpinsPerClockCheck = 16;
-constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);  // also the longest single sleep
+constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
+
+// Test only (tests/test_wait.py): PYALLREDUCE_TEST_WAIT_DELAY_US=N makes a
+// long wait sleep a random 0..N us at each point where a lost wake-up could
+// hide (after the clock read that the deadline check uses, between the
+// sleep-word store and the futex call, after the futex returns), and sleep on
+// the futex until the deadline: the periodic wake-up would turn a lost
+// wake-up into 100 ms of delay, the test wants it to fail the call.
+int64_t test_wait_delay_us() {
+  static const int64_t us = [] {
+    const char* v = std::getenv("PYALLREDUCE_TEST_WAIT_DELAY_US");
+    return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : 0;
+  }();
+  return us;
+}
+void test_wait_delay() {
+  if (test_wait_delay_us() == 0) return;
+  thread_local std::minstd_rand draws(static_cast<uint32_t>(getpid()));
+  usleep(static_cast<useconds_t>(draws() % (test_wait_delay_us() + 1)));
+}
 
 uint32_t* flags(char* region, int64_t offset) {
   return reinterpret_cast<uint32_t*>(region + offset);
@@ -92,9 +118,9 @@ void signal_peers(const Context& ctx, std::initializer_list<int64_t> flag_arrays
 }
 
 // Waits until every peer's flag in the array at flags_offset of our own region
-// has reached e (acquire); returns whether the wait was long (past the yield
-// stage, kYieldFor). Raises naming the ranks that never arrived when the
-// deadline passes or a peer's process is gone.
+// has reached e (acquire); returns whether the wait was long (it slept).
+// Raises naming the ranks that never arrived when the deadline passes or a
+// peer's process is gone.
 bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const char* where) {
   uint32_t* own = flags(ctx.own_region(), flags_offset);
   auto arrived = [&](int q) {
@@ -102,41 +128,37 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
   };
   using Clock = std::chrono::steady_clock;
   Clock::time_point start{}, deadline{}, sleep_from{}, next_liveness_check{};
+  bool slept = false;
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
-      if (spins <= kPauseSpins) {
-        _mm_pause();
-        continue;
-      }
-      const bool check_clock = spins % kSpinsPerClockCheck == 0;
-      const auto now = check_clock || start == Clock::time_point{} ? Clock::now() : Clock::time_point{};
+      _mm_pause();
+      if (spins % kSpinsPerClockCheck != 0) continue;
+      const auto now = Clock::now();
       if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
         start = now;
         deadline = start + std::chrono::nanoseconds(ctx.timeout_ns);
-        sleep_from = start + kYieldFor;
+        sleep_from = start + kSpinFor;
         next_liveness_check = start + kLivenessCheckPeriod;
       }
-      if (!check_clock) {
-        sched_yield();
-        continue;
-      }
+      if (now < sleep_from) continue;
+      test_wait_delay();
       bool dead = false;
       if (now >= next_liveness_check && !ctx.pids.empty()) {
         dead = rank_process_gone(ctx.pids[q]);
         next_liveness_check = now + kLivenessCheckPeriod;
       }
       if (!dead && now < deadline) {
-        if (now < sleep_from) {
-          sched_yield();
-          continue;
-        }
         uint32_t* word = own + flag_index(kBlock, q);
         uint32_t* sleeping = sleep_word(ctx.own_region());
         __atomic_store_n(sleeping, 1u, __ATOMIC_RELAXED);
         __atomic_thread_fence(__ATOMIC_SEQ_CST);  // pairs with signal_peers' fence
         const uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (!epoch_reached(seen, e)) {
-          futex_wait(word, seen, std::min<Clock::duration>(deadline - now, kLivenessCheckPeriod));
+          test_wait_delay();
+          const Clock::duration cap = test_wait_delay_us() > 0 ? deadline - now : kLivenessCheckPeriod;
+          futex_wait(word, seen, std::min<Clock::duration>(deadline - now, cap));
+          test_wait_delay();
+          slept = true;
         }
         __atomic_store_n(sleeping, 0u, __ATOMIC_RELAXED);
         continue;
@@ -153,9 +175,7 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
                   ". Every rank must make the same collective calls in the same order.");
     }
   }
-  // Measured at the end: a wait whose yields were descheduled for a long time
-  // may find every flag there at its next look.
-  return start != Clock::time_point{} && Clock::now() - start >= kYieldFor;
+  return slept;
 }
 
 // The start of call e (protocol.h): publish our descriptor, signal, wait for

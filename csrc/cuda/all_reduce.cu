@@ -267,8 +267,11 @@ GraphTable& graph_table_of(const Context& ctx) {
 // Per context: the record the kernels fill in on a deadline or a mismatch
 // (cuda::CallStatus, explained in all_reduce.cuh), in pinned host memory mapped
 // into the device, so checking it before a launch is one host memory read.
-// Allocated at the context's first kernel call, freed by clear_cuda_buffers
-// (cudaFreeHost waits for the device, so no kernel still writes it).
+// Allocated by cuda_prepare when the Communicator is created, never at a call:
+// a call may be inside a global-mode CUDA graph capture (torch.cuda.graph),
+// where cudaHostAlloc and cudaEventCreate are prohibited and would invalidate
+// the capture. Freed by clear_cuda_buffers (cudaFreeHost waits for the device,
+// so no kernel still writes it).
 
 struct StatusRecord {
   cuda::CallStatus* host = nullptr;
@@ -288,27 +291,43 @@ void free_status(StatusRecord& rec) {
   rec = StatusRecord{};
 }
 
-// The caller has made ctx.device current.
+// The record of ctx, made by cuda_prepare.
 StatusRecord& status_of(Context& ctx) {
   std::lock_guard<std::mutex> lock(status_mutex);
-  StatusRecord& rec = status_by_context[&ctx];
-  if (rec.host != nullptr && rec.own_region == ctx.own_region()) return rec;
-  free_status(rec);
+  auto it = status_by_context.find(&ctx);
+  TORCH_CHECK(it != status_by_context.end() && it->second.own_region == ctx.own_region(),
+              "pyallreduce: this CUDA communicator has no status record (_C.cuda_prepare was not called "
+              "after create_context)");
+  return it->second;
+}
+
+}  // namespace
+
+void cuda_prepare(int64_t handle) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  TORCH_CHECK(ctx->is_cuda, "pyallreduce: cuda_prepare needs a CUDA communicator");
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx->device));
+  std::lock_guard<std::mutex> lock(status_mutex);
+  StatusRecord& rec = status_by_context[ctx.get()];
+  free_status(rec);  // a destroyed context's, whose address this one reuses
   void* host = nullptr;
   C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(cuda::CallStatus), cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(host, 0, sizeof(cuda::CallStatus));
   void* device = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
+  cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
+  cudaEvent_t launched = nullptr;
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&launched, cudaEventDisableTiming);
   if (err != cudaSuccess) {
     cudaFreeHost(host);
     C10_CUDA_CHECK(err);
   }
   rec.host = static_cast<cuda::CallStatus*>(host);
   rec.device = static_cast<cuda::CallStatus*>(device);
-  rec.own_region = ctx.own_region();
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&rec.launched, cudaEventDisableTiming));
-  return rec;
+  rec.own_region = ctx->own_region();
+  rec.launched = launched;
 }
+
+namespace {
 
 // Launches one kernel of the communicator after its previous one, whatever
 // stream each is on (call_plan.h LaunchOrder).

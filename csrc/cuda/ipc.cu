@@ -245,6 +245,8 @@ void bind_cuda_ipc(pybind11::module_& m) {
   m.def("cuda_register_buffer", &register_cuda_buffer, py::arg("handle"), py::arg("ptr"),
         py::arg("nbytes"), py::arg("peer_ptrs"),
         "zero-copy: read every rank's corresponding buffer in place for inputs inside it");
+  m.def("cuda_prepare", &cuda_prepare, py::arg("handle"),
+        "makes the communicator's status record and launch-order event (outside any capture)");
   m.def("cuda_resident_blocks", &cuda_resident_blocks, py::arg("device"), py::arg("world_size"));
   m.def("cuda_unregister_buffer", &unregister_cuda_buffer, py::arg("handle"), py::arg("ptr"));
   m.def("cuda_is_registered", &is_cuda_buffer_registered, py::arg("handle"), py::arg("ptr"),

@@ -50,6 +50,9 @@ void register_cuda_buffer(int64_t handle, int64_t local_ptr, int64_t nbytes,
                           const std::vector<int64_t>& peer_ptrs);
 // Returns false if local_ptr was not registered.
 bool unregister_cuda_buffer(int64_t handle, int64_t local_ptr);
+// Makes what every kernel call of the communicator uses (its status record and
+// launch-order event), once, right after create_context: outside any capture.
+void cuda_prepare(int64_t handle);
 // Drops every registration of the communicator (call before destroy_context).
 // Returns the captured inputs that graph entries may have made zero copy:
 // peers may map them, so the caller keeps them alive until they unmapped.
