@@ -27,9 +27,10 @@ exchanges come back into this backend, which sends them to the inner backend
 Communicator's own fallback collectives. "Serving" is per thread: a collective
 that another thread issues meanwhile is the user's, and waits its turn for the
 Communicator (as NCCL orders a process's collectives) instead of slipping into
-the inner backend on one rank and into pyallreduce on another. Every rank reaches the first served call at the same collective
-(the choice depends only on the collective, op and device, which a correct
-program keeps equal across ranks), so the collective construction is safe.
+the inner backend on one rank and into pyallreduce on another. Every rank
+reaches the first served call at the same collective (the choice depends only
+on the collective, op and device, which a correct program keeps equal across
+ranks), so the collective construction is safe.
 """
 import contextlib
 import datetime
