@@ -218,6 +218,12 @@ class PyallreduceBackend(_C10dBackend):
             raise RuntimeError(f"pyallreduce: this {NAME} process group was destroyed")
         comm = self._comms.get(device)
         if comm is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # Creating one allocates device memory and opens IPC handles, which a
+                # capture does not permit (it would invalidate the user's graph).
+                raise RuntimeError(f"pyallreduce: the first collective of this {NAME} process group on {device} "
+                                   "is inside a CUDA graph capture, where its Communicator cannot be created; "
+                                   "make one collective call on this device before capturing")
             comm = Communicator(self._group, device=device, timeout=self._timeout)
             self._comms[device] = comm
         return comm

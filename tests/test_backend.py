@@ -429,3 +429,20 @@ def _second_thread(rank, world_size, store_file):
 
 def test_a_second_thread_waits_its_turn(tmp_path):
     run_ranks(_second_thread, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _first_cuda_call_in_capture(rank, world_size, store_file):
+    """The first served call on a CUDA device would create the Communicator
+    (cudaMalloc, IPC handles) inside the capture: refused with what to do,
+    before anything is created. The capture state is stubbed (no GPU here)."""
+    reinit("pyallreduce", store_file)
+    backend = dist.group.WORLD._get_backend(CPU)
+    torch.cuda.is_current_stream_capturing = lambda: True
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*make one collective call on this device "
+                                           "before capturing"):
+        backend._communicator(torch.device("cuda", 0))
+    assert backend._comms == {}
+
+
+def test_the_first_cuda_call_inside_a_capture_is_refused(tmp_path):
+    run_ranks(_first_cuda_call_in_capture, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)

@@ -493,21 +493,24 @@ def check_topology(group=None, device=None):
     GPUs peer-capable (and NVLink-connected when NVML is installed: the
     driver's can-access-peer alone is not trusted), and a real IPC write/read
     probe between every pair of ranks. Every rank gets the same answer. The
-    result is cached per (group members, GPU) in this process.
+    result is cached per (group members, device index) in this process, only
+    when every rank identified its GPU: the ranks then all cache it, and all
+    later calls skip the gathers together (a rank that misses while its peers
+    hit would wait in a gather they never make).
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     index = _device_index(device)
     members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (members, index)
+    if key in _topology_cache:
+        return _topology_cache[key]
     # A failing CUDA call on one rank must not leave the others waiting in a
     # collective: errors are carried through the gathers below instead.
     try:
         bus, error = _C.cuda_pci_bus_id(index), None
     except RuntimeError as e:
         bus, error = None, str(e)
-    key = (members, bus)
-    if bus is not None and key in _topology_cache:
-        return _topology_cache[key]
 
     facts = gather((socket.gethostname(), bus), group)
     hosts = sorted({h for h, _ in facts})
@@ -522,7 +525,7 @@ def check_topology(group=None, device=None):
         errors = gather(error or probe_error, group)
         failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
         result = (False, "; ".join(failed)) if failed else (True, "same host, P2P mesh, IPC probe passed")
-    if bus is not None:
+    if all(b is not None for _, b in facts):  # the same facts on every rank
         _topology_cache[key] = result
     return result
 
