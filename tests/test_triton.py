@@ -505,7 +505,7 @@ def test_agreement_round_against_a_kernel_call_raises_on_both():
 
 # ---- reduce-scatter and all-gather (protocol.h kReduceScatter, kAllGather) ----------
 
-GATHER_DTYPES = (torch.float32, torch.int64, torch.uint8, torch.bool)
+GATHER_DTYPES = (torch.float32, torch.int64, torch.float16, torch.uint8, torch.bool)  # words of 4, 8, 2, 1 bytes
 
 
 def segment_sizes(dtype):

@@ -1,5 +1,5 @@
 """The Triton kernels compiled for real GPU targets, without a GPU (issue 12
-item 6): every kernel x fp32/fp16/bf16 (all-gather: bytes) for sm_80, sm_90
+item 6): every kernel x fp32/fp16/bf16 (all-gather: 1- and 4-byte words) for sm_80, sm_90
 and sm_100 with Triton's own compiler and its bundled ptxas. The interpreter accepts code a
 GPU cannot run (non-constexpr globals, for one); this test catches that and
 checks what the hardware needs:
@@ -38,6 +38,7 @@ ACQUIRE = "ld.acquire.sys.global.u32"
 V4_LOAD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*\.v4\.")
 V4_STORE = re.compile(r"\bst\.global(?:\.[a-z0-9_]+)*\.v4\.")
 SYS_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.[a-z0-9_]+)*\.sys\b")
+BYTE_ACCESS = re.compile(r"\b(?:ld|st)\.global(?:\.[a-z0-9_]+)*\.[bu]8\b")
 
 
 def _compile_all():
@@ -53,11 +54,12 @@ def _compile_all():
     from pyallreduce.triton_kernels import one_shot, scatter_gather, signal, two_shot
 
     assert not signal.INTERPRET and one_shot.NUM_WARPS == NUM_WARPS
-    elem = {"fp32": 4, "fp16": 2, "bf16": 2, "u8": 1}
+    elem = {"fp32": 4, "fp16": 2, "bf16": 2, "u8": 1, "i32": 4}
     kernels = [("one_shot", one_shot._kernel, d) for d in DTYPES] + \
               [("two_shot", two_shot._kernel, d) for d in DTYPES] + \
               [("reduce_scatter", scatter_gather._reduce_scatter_kernel, d) for d in DTYPES] + \
-              [("all_gather", scatter_gather._all_gather_kernel, "u8"), ("agree", signal._agree_kernel, None)]
+              [("all_gather", scatter_gather._all_gather_kernel, d) for d in ("u8", "i32")] + \
+              [("agree", signal._agree_kernel, None)]
     rows = []
     for arch in TARGETS:
         for name, fn, dtype in kernels:
@@ -89,6 +91,7 @@ def _compile_all():
                 "cubin_bytes": len(k.asm.get("cubin", b"")), "v4_loads": len(V4_LOAD.findall(ptx)),
                 "v4_stores": len(V4_STORE.findall(ptx)), "release": ptx.count(RELEASE),
                 "acquire": ptx.count(ACQUIRE), "sys_atomics": SYS_ATOMIC.findall(ptx),
+                "byte_accesses": len(BYTE_ACCESS.findall(ptx)),
                 "registers": int(regs.group(1)) if regs else None,
                 "spill_bytes": sum(map(int, spills)) if spills else None, "ptxas_log": log.getvalue()[-2000:],
                 "vectors_per_thread": (_C.ALIGNMENT // (NUM_WARPS * 32 * 16)),
@@ -111,7 +114,7 @@ def _name(row):
 
 
 def test_every_kernel_compiles_to_ptx_and_cubin_for_every_target(rows):
-    assert len(rows) == len(TARGETS) * (3 * len(DTYPES) + 2)
+    assert len(rows) == len(TARGETS) * (3 * len(DTYPES) + 3)
     for row in rows:
         assert row["ptx_bytes"] > 0 and row["cubin_bytes"] > 0, _name(row)
 
@@ -132,6 +135,17 @@ def test_bulk_loops_use_128_bit_accesses_when_n_is_not_a_multiple_of_16(rows):
                          "reduce_scatter": (WORLD_SIZE, 2), "all_gather": (2, 1)}[row["kernel"]]
         assert row["v4_loads"] >= loads * v, f"{_name(row)}: {row['v4_loads']} 128-bit loads, want {loads * v}"
         assert row["v4_stores"] >= stores * v, f"{_name(row)}: {row['v4_stores']} 128-bit stores, want {stores * v}"
+
+
+def test_all_gather_of_4_byte_words_never_moves_a_byte_at_a_time(rows):
+    """The launcher picks the widest word the segment allows (8, 4, 2 or 1
+    bytes): compiled for 4-byte words and a segment that is not a multiple of
+    16 bytes, the tails and the unaligned out segments move whole words."""
+    words = [r for r in rows if r["kernel"] == "all_gather" and r["dtype"] == "i32"]
+    assert len(words) == len(TARGETS)
+    for row in words:
+        assert row["byte_accesses"] == 0, f"{_name(row)}: {row['byte_accesses']} byte-wide loads or stores"
+    assert all(r["byte_accesses"] > 0 for r in rows if r["kernel"] == "all_gather" and r["dtype"] == "u8")
 
 
 def test_flags_are_release_stores_and_acquire_loads_at_system_scope(rows):

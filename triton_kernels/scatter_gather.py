@@ -79,11 +79,11 @@ def _reduce_scatter_kernel(
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "desc_bytes", "kind", "call"])
 def _all_gather_kernel(
-    in_ptr,       # *u8 [n_bytes]: this rank's input, as bytes (all-gather copies any dtype)
-    out_ptr,      # *u8 [WORLD_SIZE * n_bytes]: segment q = rank q's input (segment `rank` may be in_ptr: in place)
+    in_ptr,       # *word [n_elements]: this rank's input as words of 1, 2, 4 or 8 bytes (any dtype's bytes)
+    out_ptr,      # *word [WORLD_SIZE * n_elements]: segment q = rank q's input (segment `rank` may be in_ptr)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
     status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
-    n_bytes,      # S: bytes of the input
+    n_elements,   # words of the input (S bytes)
     max_bytes,    # bytes of one staging buffer (>= S)
     rank,         # this rank
     timeout_ns,   # deadline of the start barrier
@@ -91,29 +91,30 @@ def _all_gather_kernel(
     kind: tl.int32,        # and desc_kind(input's dtype, ALL_GATHER, MODE_STAGED, False, in place)
     call: tl.int64,        # the user's call number, for the status record
     WORLD_SIZE: tl.constexpr,
-    CHUNK: tl.constexpr,   # CHUNK_BYTES
+    CHUNK: tl.constexpr,   # CHUNK_BYTES in words
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     own = tl.load(regions_ptr + rank)
     e = next_epoch(own, pid)
     staging = DATA_OFFSET + (e & 1).to(tl.int64) * max_bytes  # data[e % 2]
-    copy_in(in_ptr, (own + staging).to(tl.pointer_type(tl.uint8)), 0, n_bytes, pid, nprog, CHUNK, WORLD_SIZE)
+    word = tl.pointer_type(in_ptr.dtype.element_ty)
+    copy_in(in_ptr, (own + staging).to(word), 0, n_elements, pid, nprog, CHUNK, WORLD_SIZE)
     if start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False,
                   WORLD_SIZE):
-        nfull = full_chunks(n_bytes, pid, nprog, CHUNK, WORLD_SIZE)
-        tail = tail_chunk(n_bytes, pid, nprog, CHUNK, WORLD_SIZE)
+        nfull = full_chunks(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
+        tail = tail_chunk(n_elements, pid, nprog, CHUNK, WORLD_SIZE)
         for i in range(0, WORLD_SIZE):
             # Rank r reads peer r first, then r + 1, ...: at any moment the
             # ranks read different peers' memory, not all rank 0's.
             q = (rank + i) % WORLD_SIZE
-            src = (tl.load(regions_ptr + q) + staging).to(tl.pointer_type(tl.uint8))
-            dst = out_ptr + tl.cast(q, tl.int64) * n_bytes  # W * S may pass 2^31
+            src = (tl.load(regions_ptr + q) + staging).to(word)
+            dst = out_ptr + tl.cast(q, tl.int64) * n_elements  # W * S may pass 2^31
             for k in range(0, nfull):
                 c = (pid + k // WORLD_SIZE * nprog) * WORLD_SIZE + k % WORLD_SIZE
-                copy_chunk(src, dst, c, n_bytes, CHUNK, False, True, False)
+                copy_chunk(src, dst, c, n_elements, CHUNK, False, True, False)
             if tail >= 0:
-                copy_chunk(src, dst, tail, n_bytes, CHUNK, True, True, False)
+                copy_chunk(src, dst, tail, n_elements, CHUNK, True, True, False)
 
 
 def launch_reduce_scatter(input, out, regions, status, rank, world_size, max_bytes, nblocks, average, timeout_ns,
@@ -127,8 +128,19 @@ def launch_reduce_scatter(input, out, regions, status, rank, world_size, max_byt
 
 def launch_all_gather(input, out, regions, status, rank, world_size, max_bytes, nblocks, timeout_ns, desc_bytes, kind,
                       call):
-    """Launches the all-gather kernel on byte views of input and out (contiguous:
-    checked by triton_kernels.all_gather); the bytes of any dtype, bool included."""
-    src, dst = input.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+    """Launches the all-gather kernel on views of input and out (contiguous:
+    checked by triton_kernels.all_gather) as the widest words of 8, 4, 2 or 1
+    bytes that the segment's size and both tensors' addresses allow, as the
+    CUDA kernel picks its word: any dtype's bytes, bool included, and a
+    segment that is not a multiple of 16 bytes is still copied a word, not a
+    byte, at a time."""
+    nbytes = input.nbytes
+    word = next(dt for dt in _WORDS if nbytes % dt.itemsize == 0 and input.data_ptr() % dt.itemsize == 0
+                and out.data_ptr() % dt.itemsize == 0)
+    src, dst = input.reshape(-1).view(torch.uint8).view(word), out.reshape(-1).view(torch.uint8).view(word)
     _all_gather_kernel[(nblocks,)](src, dst, regions, status, src.numel(), max_bytes, rank, timeout_ns, desc_bytes,
-                                   kind, call, WORLD_SIZE=world_size, CHUNK=CHUNK_BYTES, num_warps=NUM_WARPS)
+                                   kind, call, WORLD_SIZE=world_size, CHUNK=CHUNK_BYTES // word.itemsize,
+                                   num_warps=NUM_WARPS)
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # all-gather's word, widest first
