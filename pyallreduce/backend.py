@@ -55,23 +55,42 @@ DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "al
 
 
 class CompletedWork(_C10dWork):
-    """The Work of a call that has already run (the shared-memory kernels are
-    synchronous): wait() returns True or raises the call's error; get_future()
-    holds the list of tensors, or the error."""
+    """The Work of a call that has been issued: wait() returns True or raises the
+    call's error; get_future() holds the list of tensors, or the error.
 
-    def __init__(self, tensors, error=None):
+    CPU calls have finished when the Work is made. CUDA kernels are enqueued on
+    the stream that was current at the call (`launch_stream`), and the Work has
+    NCCL's stream semantics: wait() makes the caller's current stream wait for
+    that stream (not the host), and the future is CUDA-aware, so its value and
+    callbacks are ordered after the collective on whichever stream uses them.
+    (Written from torch's documented Future(devices=...) semantics; not yet run
+    on a GPU.)"""
+
+    def __init__(self, tensors, error=None, launch_stream=None):
         super().__init__()
         self._tensors, self._error, self._future = tensors, error, None
+        self._done = None  # CUDA: an event recorded after the collective on launch_stream
+        self._launch_stream = launch_stream
+        if launch_stream is not None and error is None:
+            self._done = torch.cuda.Event()
+            self._done.record(launch_stream)
 
     def wait(self, timeout=None):
         if self._error is not None:
             raise self._error
+        if self._done is not None:
+            torch.cuda.current_stream(self._launch_stream.device).wait_event(self._done)
         return True
 
     def get_future(self):
         if self._future is None:  # made on demand: most callers only wait()
-            future = torch.futures.Future()
-            future.set_result(self._tensors)
+            if self._done is not None:
+                future = torch.futures.Future(devices=[self._launch_stream.device])
+                with torch.cuda.stream(self._launch_stream):  # its events: after the collective
+                    future.set_result(self._tensors)
+            else:
+                future = torch.futures.Future()
+                future.set_result(self._tensors)
             if self._error is not None:
                 # Not Future.set_exception: that error lives in the Python wrapper only, and
                 # C++ (DDP's reducer, work.get_future() from Python) would see it as the value.
@@ -197,7 +216,10 @@ class PyallreduceBackend(_C10dBackend):
                 run(self._communicator(device))
         except Exception as e:
             return CompletedWork(result if result is not None else tensors, e)
-        return CompletedWork(result if result is not None else tensors)
+        # Inside a CUDA graph capture the graph itself orders the captured work.
+        stream = (torch.cuda.current_stream(device)
+                  if device.type == "cuda" and not torch.cuda.is_current_stream_capturing() else None)
+        return CompletedWork(result if result is not None else tensors, launch_stream=stream)
 
     def _is_serving(self):
         return getattr(self._serving, "active", False)
