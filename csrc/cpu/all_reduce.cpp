@@ -155,8 +155,9 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
         const uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (!epoch_reached(seen, e)) {
           test_wait_delay();
-          const Clock::duration cap = test_wait_delay_us() > 0 ? deadline - now : kLivenessCheckPeriod;
-          futex_wait(word, seen, std::min<Clock::duration>(deadline - now, cap));
+          const Clock::duration left = deadline - now;
+          futex_wait(word, seen,
+                     test_wait_delay_us() > 0 ? left : std::min<Clock::duration>(left, kLivenessCheckPeriod));
           test_wait_delay();
           slept = true;
         }
