@@ -282,6 +282,8 @@ class PyallreduceBackend(_C10dBackend):
         self._release()
 
     def _release(self):
+        # Under _turn: a call still running on another thread (at worst until its
+        # deadline) finishes before its memory is unmapped under it.
         with self._turn:
             if self._closed:
                 return
