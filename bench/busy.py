@@ -165,9 +165,9 @@ def start_load(load):
         sys.path.insert(0, str(HERE.parent / "tests" / "sim"))
         from build import command  # the harness's own compile command
 
-        out = Path(tempfile.gettempdir()) / f"busy-harness-{os.getpid()}"
-        loop = f"while :; do {' '.join(command(out))} || exit 1; done"
-        return [subprocess.Popen(["bash", "-c", loop]) for _ in os.sched_getaffinity(0)]
+        outs = [Path(tempfile.gettempdir()) / f"busy-harness-{os.getpid()}-{i}" for i in os.sched_getaffinity(0)]
+        return [subprocess.Popen(["bash", "-c", f"while :; do {' '.join(command(out))} || exit 1; done"])
+                for out in outs]
     spin = "while True:\n    pass\n"
     return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(int(load))]
 
@@ -179,7 +179,8 @@ def stop_load(procs):
         p.kill()
     for p in procs:
         p.wait()
-    Path(tempfile.gettempdir(), f"busy-harness-{os.getpid()}").unlink(missing_ok=True)
+    for out in Path(tempfile.gettempdir()).glob(f"busy-harness-{os.getpid()}-*"):
+        out.unlink()
 
 
 def run_ddp(args):
