@@ -24,12 +24,12 @@
 #
 # What it compiles (one compiler at a time, `nice`), the flags setup.py and
 # torch's CUDAExtension give the real build:
-#  1. csrc/cuda/ipc.cu with CUDA 12.4's nvcc (host code; driver entry points);
-#  2. csrc/cuda/all_reduce.cu with CUDA 12.4's nvcc for sm_80 and sm_90 (the
-#     host glue and every kernel: it instantiates them all);
-#  3. csrc/cuda/ipc.cu's host code with g++ against the CUDA 12.1 headers
-#     (-fsyntax-only: the runtime API calls it makes must exist in 12.1).
-# Steps 1 and 2 need torch's and pybind11's headers: PYTHON (default: .venv's
+#  1. csrc/cuda/kernels.cu (every kernel) with CUDA 12.4's nvcc for sm_80 and
+#     sm_90;
+#  2. the host code g++ compiles in the real build, csrc/cuda/all_reduce.cpp
+#     and csrc/cuda/ipc.cpp, against the CUDA 12.1 headers (-fsyntax-only: the
+#     runtime API calls and driver entry-point types they use must exist in 12.1).
+# Both need torch's and pybind11's headers: PYTHON (default: .venv's
 # python when there is one, else python3) must import torch and pybind11.
 # torch's headers are the installed torch's (2.14 here), not 2.4's.
 #
@@ -178,12 +178,12 @@ run() {  # NAME CMD...
     failed=1
   fi
 }
-run "CUDA 12.4 nvcc: csrc/cuda/ipc.cu" \
-  "${NVCC[@]}" -gencode arch=compute_90,code=sm_90 -c csrc/cuda/ipc.cu -o "$out/ipc.o"
-run "CUDA 12.4 nvcc: csrc/cuda/all_reduce.cu for sm_${ARCHS// /, sm_}" \
-  "${NVCC[@]}" "${GENCODE[@]}" -c csrc/cuda/all_reduce.cu -o "$out/all_reduce.o"
-run "CUDA 12.1 headers, g++: csrc/cuda/ipc.cu host code" \
-  g++ -x c++ -std=c++20 -fsyntax-only -DPYALLREDUCE_WITH_CUDA -I "$INC121" "${INCFLAGS[@]}" csrc/cuda/ipc.cu
+run "CUDA 12.4 nvcc: csrc/cuda/kernels.cu for sm_${ARCHS// /, sm_}" \
+  "${NVCC[@]}" "${GENCODE[@]}" -c csrc/cuda/kernels.cu -o "$out/kernels.o"
+for f in all_reduce.cpp ipc.cpp; do
+  run "CUDA 12.1 headers, g++: csrc/cuda/$f" \
+    g++ -std=c++20 -fsyntax-only -DPYALLREDUCE_WITH_CUDA -I "$INC121" "${INCFLAGS[@]}" "csrc/cuda/$f"
+done
 log "done in $(($(date +%s) - start)) s"
 if [ "$failed" = 0 ]; then log "all compiled"; fi
 exit "$failed"

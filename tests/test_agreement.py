@@ -59,6 +59,7 @@ def mismatched(rank, world, case):
     return str(raised.value)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ranks_that_disagree_all_raise_the_same_error_and_nothing_is_written(case):
     messages = run_ranks(mismatched, 2, case, timeout=120)
@@ -140,5 +141,6 @@ def across_the_wrap(rank, world, start_epoch, mid):
     (0xFFFFFFFB, 0xFFFFFFFB),  # what the fixed protocol leaves: every call refreshed its mid flags
     (0xFFFFFFFE, 1),           # a two-shot call exactly 2^32 - 1 epochs ago
 ])
+@pytest.mark.quick
 def test_calls_across_the_32_bit_epoch_wrap_are_exact(world, start_epoch, mid):
     assert run_ranks(across_the_wrap, world, start_epoch, mid, timeout=120) == [0] * world

@@ -83,6 +83,7 @@ def _all_reduce(rank, world_size, backend, store_file):
     return sorted(leaked_segments())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("backend", ["pyallreduce", "cpu:pyallreduce"])
 def test_all_reduce_matches_gloo(tmp_path, backend):
     leftovers = run_ranks(_all_reduce, WORLD, backend, str(tmp_path / "store"), timeout=TIMEOUT)
@@ -124,6 +125,7 @@ def _two_hosts(rank, world_size, store_file):
     assert "2 hosts" in impl._comms[CPU].fallback_reason
 
 
+@pytest.mark.quick
 def test_communicator_fallback_goes_to_gloo(tmp_path):
     run_ranks(_two_hosts, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 
@@ -385,6 +387,7 @@ def _collective_close(rank, world_size, store_file):
     assert torch.equal(x, torch.full((4,), 3.0))
 
 
+@pytest.mark.quick
 def test_destroy_process_group_closes_collectively(tmp_path):
     run_ranks(_collective_close, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 

@@ -100,6 +100,7 @@ sys.exit(bench.run(bench.parse_args()))
 """
 
 
+@pytest.mark.quick
 def test_wrong_result_fails_the_run(tmp_path):
     """Rank processes started by hand (as torchrun would) with an expectation
     one element off: the run must report it and exit non-zero."""
@@ -131,6 +132,7 @@ def row(size, algo, ours, ref):
     return {"backend": "cpu", "size": size, "algo": algo, "in_place": stats, "reference": {"time_us": ref}}
 
 
+@pytest.mark.quick
 def test_crossover_is_the_start_of_the_winning_tail():
     bench = bench_scripts.load("compare_nccl")
     # two-shot wins at 2K (a blip), loses at 4K, wins from 8K on; the

@@ -10,6 +10,8 @@ import pytest
 
 import pyallreduce._C as C
 
+pytestmark = pytest.mark.quick
+
 # function (as objdump -C prints it, up to the opening parenthesis) -> instructions its body must hold
 VECTORISED = {
     "reduce_f32_avx512(": ("vaddps", "%zmm", "vmovups %zmm"),

@@ -53,8 +53,13 @@ def run_harness(flavour, args, timeout):
     return proc.stdout
 
 
-def test_harness_plain():
-    out = run_harness("plain", ["--suite", "plain", "--mode", "both"], timeout=600)
+@pytest.mark.quick
+def test_harness_plain(request):
+    # The quick tier runs the sanitizer suites' worlds (W <= 4, threads only):
+    # every collective, mode, mismatch, deadline and the wrap, in seconds.
+    suite = ["--suite", "quick", "--mode", "threads"] if request.config.getoption("--quick") else \
+        ["--suite", "plain", "--mode", "both"]
+    out = run_harness("plain", suite, timeout=600)
     assert "0 failed" in out
 
 

@@ -67,6 +67,7 @@ def bad_input(rank, world):
     expect(ValueError, "max_bytes must be positive", pyallreduce.Communicator, max_bytes=0)
 
 
+@pytest.mark.quick
 def test_bad_input_raises_clear_errors():
     run_ranks(bad_input, 2, timeout=120)
 
@@ -92,6 +93,7 @@ def missing_rank(rank, world):
     dist.barrier()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 3])
 def test_rank_that_never_calls_makes_the_others_raise_naming_it(world):
     run_ranks(missing_rank, world, timeout=120)
@@ -192,6 +194,7 @@ def test_debug_mode_detects_mismatched_calls():
     run_ranks(mismatch, 2, timeout=120)
 
 
+@pytest.mark.quick
 def test_segments_are_private_and_exclusive():
     from pyallreduce import _C
 

@@ -2,6 +2,8 @@
 every rank, so every rank must reach the same one: whether a captured buffer
 can be read in place, and whether the ranks captured the same calls. (The CUDA
 half, the graph table the replays read, runs in tests/test_cuda.py on a GPU.)"""
+import pytest
+
 from launch import run_ranks
 from pyallreduce.communicator import CAPTURE_ABORTED, captures_mismatch
 from pyallreduce.transport.cuda_ipc import buffer_verdict
@@ -33,6 +35,7 @@ def call(nbytes, in_place=False, has_entry=True, algo=0, dtype="Float", average=
     return (nbytes, in_place, algo, dtype, average, has_entry)
 
 
+@pytest.mark.quick
 def test_same_captured_calls_on_every_rank_pass():
     calls = [call(4096), call(512, in_place=True, algo=1)]
     assert captures_mismatch([calls, list(calls), list(calls)]) is None
@@ -41,6 +44,7 @@ def test_same_captured_calls_on_every_rank_pass():
     assert captures_mismatch([[call(64)], [call(64, has_entry=False)]]) is None
 
 
+@pytest.mark.quick
 def test_different_captured_calls_are_an_error_showing_every_rank():
     error = captures_mismatch([[call(4096)], [call(4096), call(64)]])
     assert "ranks captured different all_reduce calls" in error
@@ -144,6 +148,7 @@ def peers(call, world, own_rank):
             for q in range(world)]
 
 
+@pytest.mark.quick
 def test_captured_buffers_get_every_ranks_address_on_every_rank():
     captured = [call(4096), call(512, in_place=True, algo=1)]
     results = run_ranks(exit_capture, 3, captured)

@@ -162,6 +162,7 @@ def test_an_unknown_isa_on_one_rank_is_refused_on_every_rank_with_the_choices():
     run_ranks(refuse_isa, 2, timeout=60)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 3])
 def test_random_inputs_bitwise_identical_on_all_ranks(world):
     outs = run_ranks(average_and_random, world, timeout=180)
@@ -227,6 +228,7 @@ def odd_layouts(rank, world):
         assert w.requires_grad and torch.equal(w.detach(), torch.full((4,), float(world)))
 
 
+@pytest.mark.quick
 def test_non_contiguous_views_scalars_empty_and_grad():
     run_ranks(odd_layouts, 2, timeout=120)
 

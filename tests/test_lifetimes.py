@@ -97,6 +97,7 @@ def replace_wire(state, recorder):
                 log=recorder.log[-3:])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("compression", [None, "bf16"])
 def test_ddp_unregisters_the_buffers_of_before_the_rebuild(compression):
     results = run_ranks(train_across_rebuild, 2, compression, timeout=TIMEOUT)
@@ -276,6 +277,7 @@ def refcounted_unmapping(rank, world, fake, cuda_ipc):
     return True
 
 
+@pytest.mark.quick
 def test_a_peer_allocation_is_unmapped_exactly_when_its_last_user_goes():
     assert run_ranks(refcounted_unmapping, 2, timeout=TIMEOUT) == [True, True]
 

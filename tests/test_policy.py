@@ -4,6 +4,8 @@ import pytest
 
 from pyallreduce.policy import resident_nblocks
 
+pytestmark = pytest.mark.quick
+
 H100 = 132  # SMs; the kernels (512 threads, __launch_bounds__(512, 1)) fit one block per SM
 
 

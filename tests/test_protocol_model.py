@@ -90,6 +90,7 @@ CORRECT = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", list(CORRECT))
 def test_protocol_model_holds(tmp_path, name):
     errors, report = verify(tmp_path, CORRECT[name])
@@ -121,6 +122,7 @@ MUTANTS = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_protocol_mutant_is_caught(tmp_path, name):
     defines, why = MUTANTS[name]

@@ -57,6 +57,7 @@ def check_reduce_scatter_bits(rank, world):
     assert not failures, f"rank {rank}: {failures[:8]}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_reduce_scatter_exact_bits_every_dtype_and_size(world):
     run_ranks(check_reduce_scatter_bits, world, timeout=TIMEOUT)
@@ -86,6 +87,7 @@ def check_all_gather(rank, world):
     assert not failures, f"rank {rank}: {failures[:8]}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_all_gather_exact_every_dtype_and_size(world):
     run_ranks(check_all_gather, world, timeout=TIMEOUT)
@@ -127,6 +129,7 @@ def check_views_and_mixed_sequences(rank, world):
             comm.all_gather(torch.ones(4), out=torch.ones(4 * world + 1))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 3])
 def test_views_mixed_sequences_fallbacks_and_errors(world):
     run_ranks(check_views_and_mixed_sequences, world, timeout=TIMEOUT)

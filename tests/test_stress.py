@@ -5,6 +5,7 @@ import json
 import random
 import sys
 
+import pytest
 import torch
 
 import bench_scripts
@@ -54,6 +55,7 @@ class LocalComm:
         return x
 
 
+@pytest.mark.quick
 def test_checker_accepts_right_and_catches_wrong_results_in_every_layout_and_style():
     stress = bench_scripts.load("stress")
     plan = random.Random(3)

@@ -1,9 +1,12 @@
 """transport.cuda_ipc.check_topology's cache, across processes, with the CUDA
 queries stubbed: every rank must hit or miss it together, or the rank that
 misses waits in a gather the others never make."""
+import pytest
 import torch.distributed as dist
 
 from launch import run_ranks
+
+pytestmark = pytest.mark.quick
 
 
 def cache_after_a_failed_query(rank, world):

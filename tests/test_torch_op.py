@@ -27,6 +27,7 @@ def opcheck_ops(rank, world):
     comm.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck(world):
     run_ranks(opcheck_ops, world, timeout=180)
@@ -54,6 +55,7 @@ def compiled(rank, world, backend):
     comm.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(backend):
     run_ranks(compiled, 2, backend, timeout=400)

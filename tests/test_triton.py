@@ -179,6 +179,7 @@ def reduce_back_to_back(rank, world, nblocks, seed):
 # nblocks 1 matters: the interpreter runs a rank's programs one after another,
 # so only with a single program can a rank run a whole call ahead of a peer
 # that still reads (what the alternating staging buffers are for).
+@pytest.mark.quick
 @pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (4, 2)])
 def test_bitwise_equal_to_reference_cpu_backend_and_peers(world, nblocks):
     results = run_ranks(reduce_back_to_back, world, nblocks, 7 + world, timeout=240, env=ENV)
@@ -242,8 +243,11 @@ def reduced_chunks(rank, world, nblocks):
 
 # Several programs matter: owners by program rounds (rank (c / nblocks) % W,
 # the mapping before issue 13 item 4) balance only at nblocks 1, and give rank
-# 0 every chunk of a call below nblocks chunks.
-@pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (3, 32), (4, 3), (4, 32)])
+# 0 every chunk of a call below nblocks chunks. nblocks 8 has calls of W + 1
+# chunks (more than a group, fewer than the programs) for W 3 and 4, as the
+# default grid (32) has, at a quarter of its interpreter time.
+@pytest.mark.quick
+@pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (3, 8), (4, 3), (4, 8)])
 def test_two_shot_spreads_the_reduction_evenly_over_the_ranks(world, nblocks):
     results = run_ranks(reduced_chunks, world, nblocks, timeout=300, env=ENV)
     chunk = chunk_elems(torch.float32)
@@ -463,6 +467,7 @@ def disagree(rank, world, cases):
     return messages
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,cases", [(2, sorted(MISMATCHED_CALLS)), (3, ["algo", "fallback_vs_two_shot"])])
 def test_ranks_that_disagree_all_raise_the_same_error_and_nothing_is_written(world, cases):
     messages = run_ranks(disagree, world, cases, timeout=300, env=ENV)

@@ -55,6 +55,7 @@ def delayed_waits(rank, world, seed):
     comm.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 3])
 def test_no_lost_wake_up_when_ranks_stall_at_every_point_of_the_wait(world):
     run_ranks(delayed_waits, world, 11 + world, timeout=240,

@@ -7,14 +7,16 @@
 
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace pyallreduce {
 namespace {
 
+// Python sees these as RuntimeError (pybind11's translation of std::runtime_error).
 [[noreturn]] void raise_errno(const char* what, const std::string& name) {
-  TORCH_CHECK(false, "pyallreduce: ", what, " of shared-memory segment '", name, "' failed: ",
-              std::strerror(errno));
+  throw std::runtime_error("pyallreduce: " + std::string(what) + " of shared-memory segment '" + name +
+                           "' failed: " + std::strerror(errno));
 }
 
 void* map_fd(int fd, int64_t size, const std::string& name) {
@@ -59,9 +61,10 @@ int64_t shm_map(const std::string& name, int64_t size) {
   }
   if (st.st_uid != geteuid() || st.st_size != size) {
     close(fd);
-    TORCH_CHECK(false, "pyallreduce: shared-memory segment '", name, "' has owner uid ", st.st_uid,
-                " and size ", st.st_size, "; expected uid ", geteuid(), " and size ", size,
-                " (all ranks must run as one user with the same max_bytes)");
+    throw std::runtime_error("pyallreduce: shared-memory segment '" + name + "' has owner uid " +
+                             std::to_string(st.st_uid) + " and size " + std::to_string(st.st_size) +
+                             "; expected uid " + std::to_string(geteuid()) + " and size " + std::to_string(size) +
+                             " (all ranks must run as one user with the same max_bytes)");
   }
   return reinterpret_cast<int64_t>(map_fd(fd, size, name));
 }
@@ -74,17 +77,19 @@ bool shm_remove(const std::string& name) {
 }
 
 void shm_unmap(int64_t addr, int64_t size) {
-  TORCH_CHECK(munmap(reinterpret_cast<void*>(addr), size) == 0, "pyallreduce: munmap failed: ",
-              std::strerror(errno));
+  if (munmap(reinterpret_cast<void*>(addr), size) != 0) {
+    throw std::runtime_error(std::string("pyallreduce: munmap failed: ") + std::strerror(errno));
+  }
 }
 
 }  // namespace
 
 void bind_shm(pybind11::module_& m) {
-  m.def("shm_create", &shm_create, py::arg("name"), py::arg("size"));
-  m.def("shm_map", &shm_map, py::arg("name"), py::arg("size"));
-  m.def("shm_remove", &shm_remove, py::arg("name"));
-  m.def("shm_unmap", &shm_unmap, py::arg("addr"), py::arg("size"));
+  using pybind11::arg;
+  m.def("shm_create", &shm_create, arg("name"), arg("size"));
+  m.def("shm_map", &shm_map, arg("name"), arg("size"));
+  m.def("shm_remove", &shm_remove, arg("name"));
+  m.def("shm_unmap", &shm_unmap, arg("addr"), arg("size"));
 }
 
 }  // namespace pyallreduce

@@ -2,9 +2,10 @@
 // reduce-scatter and all-gather kernels (protocol in csrc/common/protocol.h,
 // explained in docs/architecture.md). Templated on the element type and the
 // world size so every per-peer loop is unrolled and all W loads of a vector are
-// in flight together; csrc/cuda/all_reduce.cu only picks the source mode (Mode
-// below) and calls launch_all_reduce(), launch_reduce_scatter() or
-// launch_all_gather().
+// in flight together. csrc/cuda/kernels.cu instantiates them behind
+// kernel_api.h, which also holds what the host side shares with them (the
+// call, the status record, the graph entry); csrc/cuda/all_reduce.cpp only
+// picks the source mode and calls that API.
 //
 // Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
 // thread t of a block handles the 16-byte vector t of each of its chunks.
@@ -29,98 +30,10 @@
 
 #include "../common/protocol.h"
 #include "device_ops.h"
+#include "kernel_api.h"
 
 namespace pyallreduce {
 namespace cuda {
-
-// 512 threads: enough 16-byte loads in flight per block to cover NVLink
-// latency with few blocks (the SMs are shared with the training beside us).
-constexpr int kThreads = 512;
-constexpr int kVecBytes = 16;
-constexpr int64_t kChunkBytes = int64_t(kThreads) * kVecBytes;
-// Plain copies (copy-in, two-shot gather) keep this many 16-byte loads per
-// thread in flight before storing, so a copy is not one round trip per vector.
-constexpr int kCopyBatch = 4;
-
-// Where the W buffers a call reduces from live (the descriptor's mode field:
-// the values are protocol.h's).
-enum Mode : int {
-  // Every rank copies its input into its own staging buffer data[e % 2]; peers
-  // read the staging buffers. No end barrier (double buffering).
-  kStaged = int(kModeStaged),
-  // Zero-copy: peers read each rank's registered input in place and out is a
-  // separate tensor. One-shot then needs an end barrier (the caller may
-  // overwrite the input as soon as the kernel returns); two-shot does not (the
-  // inputs are only read before its mid barrier).
-  kRegistered = int(kModeRegistered),
-  // Zero-copy and out == input: two-shot only (kernel_algo forces it),
-  // owners reduce in place, every rank gathers into its own registered buffer,
-  // end barrier.
-  kRegisteredInPlace = int(kModeRegisteredInPlace),
-};
-
-// What a kernel leaves for the host when a call cannot complete, instead of
-// trapping (a trap makes the process's CUDA context unusable for good). One
-// record per communicator in pinned host memory mapped into the device, so the
-// host reads it without synchronising: csrc/cuda/all_reduce.cu checks it before
-// every launch, after an agreement round and in cuda_check. The first failing
-// block claims it (claimed 0 -> 1), fills it in, and stores code last
-// (release, system scope); the host reads code (acquire), then the rest.
-constexpr uint32_t kStatusOk = 0;
-constexpr uint32_t kStatusDeadline = 1;  // a rank never arrived: the communicator is broken
-constexpr uint32_t kStatusMismatch = 2;  // descriptors differ: nothing written, ranks in step
-// CallStatus::barrier values.
-constexpr uint32_t kBarrierStart = 0;
-constexpr uint32_t kBarrierMid = 1;
-constexpr uint32_t kBarrierEnd = 2;
-
-struct CallStatus {
-  uint32_t code;
-  uint32_t claimed;
-  uint32_t barrier;             // deadline: which barrier
-  uint32_t block;
-  uint32_t epoch;               // e of the failed call
-  uint32_t missing;             // deadline: bit q set = rank q never arrived
-  uint32_t unused[2];           // keeps descs 16-byte aligned
-  CallDesc descs[kMaxRanks];    // mismatch: every rank's descriptor as read here
-};
-
-// A captured call's entry in the communicator's graph table (device memory).
-// A CUDA graph fixes kernel arguments at capture, but a buffer first seen
-// during a capture is registered only when comm.capture() exits: such a call
-// is captured with a pointer to its entry, which says kStaged (zeroed memory)
-// until the host fills in every rank's buffer and the zero-copy mode. The
-// host writes entries only while no kernel runs, and every rank writes the
-// same modes (comm.capture() agrees on them first).
-struct GraphEntry {
-  const char* registered[kMaxRanks];  // every rank's input as mapped here, once registered
-  int64_t mode;                       // kStaged, kRegistered or kRegisteredInPlace
-};
-
-// One call as the glue (csrc/cuda/all_reduce.cu) describes it.
-struct Call {
-  char* regions[kMaxRanks];     // each rank's region base as mapped in this process
-  char* registered[kMaxRanks];  // zero-copy modes: each rank's input as mapped here
-  const char* input;            // this rank's input (all-reduce: 16-byte aligned)
-  char* out;                    // this rank's output (all-reduce: 16-byte aligned)
-  int64_t bytes;                // payload size, a multiple of the element size; for
-                                // reduce-scatter and all-gather the segment S (protocol.h)
-  int64_t max_bytes;            // size of one staging buffer
-  int64_t timeout_ns;           // deadline of every spin
-  int rank;
-  Mode mode;
-  int64_t algo;                 // kOneShot, kTwoShot, kReduceScatter, kAllGather or kAgreeOnly, as requested
-  // An agreement round (algo kAgreeOnly): the algo its descriptor names, i.e.
-  // the collective it stands for (kAgreeOnly for an all-reduce), so that the
-  // fallbacks of different collectives cannot pair.
-  int64_t agree_algo = kAgreeOnly;
-  bool average;                 // divide the fp32 sum by W before the cast
-  bool in_place;                // the caller's input and out are one tensor (descriptor only)
-  uint32_t dtype;               // c10::ScalarType value (descriptor only)
-  uint64_t desc_bytes;          // the call's payload as published (bytes, or an agreement's size)
-  const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
-  CallStatus* status;           // device address of the communicator's status record
-};
 
 // What the kernels receive, by value (kernel parameter space, so a CUDA graph
 // captures it as is). Buffers are given for an even epoch plus the shift an
@@ -178,7 +91,6 @@ static_assert(kDescOffset % kVecBytes == 0 && kDescBytes == kVecBytes,
 static_assert(kSegmentUnit % kChunkBytes == 0,
               "a staging chunk must lie inside one reduce-scatter segment");
 
-__host__ __device__ inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }
 
 __device__ __forceinline__ uint32_t* flag_ptr(char* region, int64_t array_offset, int block,
                                               int rank) {
@@ -781,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) all_gather_kernel(const KernelArg
 // The algorithm that runs: in-place zero-copy exists only in the two-shot
 // structure (one-shot would overwrite its input while peers still read it),
 // so such a call runs two-shot whatever was asked (and an in-place call gets
-// a graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cu).
+// a graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cpp).
 inline int64_t kernel_algo(int64_t algo, Mode mode) {
   return algo == kOneShot && mode == kRegisteredInPlace ? kTwoShot : algo;
 }
@@ -836,20 +748,36 @@ inline void launch_for_world(const KernelArgs& a, int nblocks, cudaStream_t stre
   }
 }
 
+// The world sizes that get kernels: 1..kMaxRanks. The host-shim harness's
+// sanitizer builds lower it to the worlds their suites run (tests/sim/build.py),
+// which halves their compile time; the product build never sets it.
+#ifndef PYALLREDUCE_KERNEL_WORLDS
+#define PYALLREDUCE_KERNEL_WORLDS kMaxRanks
+#endif
+
+template <int W, typename F>
+inline bool with_world(F& f) {
+  if constexpr (W <= PYALLREDUCE_KERNEL_WORLDS) {
+    f(std::integral_constant<int, W>());
+    return true;
+  }
+  return false;
+}
+
 // The one world-size switch: f(std::integral_constant<int, W>()); returns
-// false for a world size outside 1..kMaxRanks.
+// false for a world size without kernels (outside 1..kMaxRanks).
 template <typename F>
 inline bool with_world_size(int world_size, F f) {
   static_assert(kMaxRanks == 8, "extend the switch below");
   switch (world_size) {
-    case 1: f(std::integral_constant<int, 1>()); return true;
-    case 2: f(std::integral_constant<int, 2>()); return true;
-    case 3: f(std::integral_constant<int, 3>()); return true;
-    case 4: f(std::integral_constant<int, 4>()); return true;
-    case 5: f(std::integral_constant<int, 5>()); return true;
-    case 6: f(std::integral_constant<int, 6>()); return true;
-    case 7: f(std::integral_constant<int, 7>()); return true;
-    case 8: f(std::integral_constant<int, 8>()); return true;
+    case 1: return with_world<1>(f);
+    case 2: return with_world<2>(f);
+    case 3: return with_world<3>(f);
+    case 4: return with_world<4>(f);
+    case 5: return with_world<5>(f);
+    case 6: return with_world<6>(f);
+    case 7: return with_world<7>(f);
+    case 8: return with_world<8>(f);
     default: return false;
   }
 }

@@ -1,4 +1,4 @@
-// The decisions csrc/cuda/all_reduce.cu makes for one call, as plain functions
+// The decisions csrc/cuda/all_reduce.cpp makes for one call, as plain functions
 // without torch or CUDA runtime calls, so tests/sim (the CUDA-on-host harness)
 // runs exactly the glue's choices in front of the real kernels: the source
 // mode, the aligned temporaries, graph-table eligibility, graph-table slots,
@@ -10,7 +10,7 @@
 #include <sstream>
 #include <string>
 
-#include "all_reduce.cuh"
+#include "kernel_api.h"
 
 namespace pyallreduce {
 namespace cuda {
@@ -65,7 +65,7 @@ inline CallPlan plan_segment_call(uintptr_t in, uintptr_t out, int64_t segment_b
   return p;
 }
 
-// Graph table (all_reduce.cu): whether comm.capture() must allocate a new
+// Graph table (all_reduce.cpp): whether comm.capture() must allocate a new
 // block before it opens, given the blocks so far and the next free slot. A new
 // block is started when the current one is more than half used, so one
 // capture has at least half a block of entries.

@@ -1,7 +1,7 @@
 // CUDA IPC helpers for the CUDA transport (pyallreduce/transport/cuda_ipc.py
 // decides what to allocate, export and map; this only wraps the CUDA calls and
 // turns every CUDA error into a Python exception), and the table of zero-copy
-// buffers registered per communicator (kept in csrc/cuda/all_reduce.cu, where
+// buffers registered per communicator (kept in csrc/cuda/all_reduce.cpp, where
 // the launcher looks inputs up).
 #pragma once
 
@@ -36,7 +36,7 @@ void cuda_agree(Context& ctx, CallDesc desc);
 // arrived; marks the context broken) or a mismatch (CallMismatch; cleared).
 void cuda_check(Context& ctx);
 
-// Adds the cuda_* functions to pyallreduce._C (see ipc.cu for the list).
+// Adds the cuda_* functions to pyallreduce._C (see ipc.cpp for the list).
 void bind_cuda_ipc(pybind11::module_& m);
 
 // Zero-copy registrations of the communicator `handle` (create_context).
@@ -65,7 +65,7 @@ int64_t cuda_resident_blocks(int64_t device, int64_t world_size);
 bool is_cuda_buffer_registered(int64_t handle, int64_t ptr, int64_t nbytes);
 
 // CUDA graphs (comm.capture(); the graph table is explained in all_reduce.cuh
-// and all_reduce.cu). Between begin and end, a captured call whose buffers are
+// and all_reduce.cpp). Between begin and end, a captured call whose buffers are
 // not registered gets a table entry that says "staged" until set_entries.
 // begin allocates a new block of block_entries entries when needed.
 void graph_capture_begin(int64_t handle, int64_t block_entries);

@@ -13,6 +13,7 @@
 // and then overwrites its input, as a caller may.
 #include "cuda_shim.h"
 // The shim first: the kernels see its CUDA keywords.
+#include "cuda/all_reduce.cuh"
 #include "cuda/call_plan.h"
 
 #include <fcntl.h>

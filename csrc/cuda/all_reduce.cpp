@@ -1,7 +1,7 @@
 // CUDA backend of the pyallreduce ops: picks the source mode (staged or
-// zero-copy registered), builds the kernel arguments and launches
-// csrc/cuda/all_reduce.cuh (all-reduce, reduce-scatter, all-gather) on the
-// current stream; runs the agreement round
+// zero-copy registered), builds the kernel arguments and launches the kernels
+// (all-reduce, reduce-scatter, all-gather: kernel_api.h, defined in
+// kernels.cu) on the current stream; runs the agreement round
 // (cuda_agree) and reports what the kernels recorded in the communicator's
 // status record (a deadline, a mismatch). Argument checks common to every
 // backend already ran (run_collective in csrc/module.cpp). The pure decisions
@@ -22,12 +22,22 @@
 #include <unordered_map>
 
 #include "../common/op_args.h"
-#include "all_reduce.cuh"
 #include "call_plan.h"
+#include "kernel_api.h"
 #include "ipc.h"
 
 namespace pyallreduce {
 namespace {
+
+// The kernels' element type of a reduction's dtype; false for a dtype without kernels.
+bool element_of(at::ScalarType dtype, cuda::Element& element) {
+  switch (dtype) {
+    case at::kFloat: element = cuda::Element::kFloat32; return true;
+    case at::kHalf: element = cuda::Element::kFloat16; return true;
+    case at::kBFloat16: element = cuda::Element::kBFloat16; return true;
+    default: return false;
+  }
+}
 
 bool is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -575,22 +585,11 @@ bool launch_segment_call(Context& ctx, StatusRecord& rec, cudaStream_t stream, b
                   call.average);
   bool launched = false;
   launch_in_order(rec, stream, capturing, [&] {
+    cuda::Element element;
     if (algo == kAllGather) {
-      launched = cuda::launch_all_gather(ctx.world_size, call, ctx.nblocks, stream);
-      return;
-    }
-    switch (input.scalar_type()) {
-      case at::kFloat:
-        launched = cuda::launch_reduce_scatter<float>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kHalf:
-        launched = cuda::launch_reduce_scatter<__half>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kBFloat16:
-        launched = cuda::launch_reduce_scatter<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      default:
-        break;
+      launched = cuda::kernels::all_gather(ctx.world_size, call, ctx.nblocks, stream);
+    } else if (element_of(input.scalar_type(), element)) {
+      launched = cuda::kernels::reduce_scatter(element, ctx.world_size, call, ctx.nblocks, stream);
     }
   });
   return launched;
@@ -628,18 +627,9 @@ bool launch_all_reduce_call(Context& ctx, StatusRecord& rec, cudaStream_t stream
 
   bool launched = false;
   launch_in_order(rec, stream, capturing, [&] {
-    switch (input.scalar_type()) {
-      case at::kFloat:
-        launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kHalf:
-        launched = cuda::launch_all_reduce<__half>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      case at::kBFloat16:
-        launched = cuda::launch_all_reduce<__nv_bfloat16>(ctx.world_size, call, ctx.nblocks, stream);
-        break;
-      default:
-        break;
+    cuda::Element element;
+    if (element_of(input.scalar_type(), element)) {
+      launched = cuda::kernels::all_reduce(element, ctx.world_size, call, ctx.nblocks, stream);
     }
   });
   if (launched && out_tmp.defined()) out.copy_(out_tmp);
@@ -725,7 +715,9 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   call.in_place = (desc.kind >> 25) & 1u;
   call.status = rec.device;
   bool launched = false;
-  launch_in_order(rec, stream, /*capturing=*/false, [&] { launched = cuda::launch_all_reduce<float>(ctx.world_size, call, ctx.nblocks, stream); });
+  launch_in_order(rec, stream, /*capturing=*/false, [&] {
+    launched = cuda::kernels::all_reduce(cuda::Element::kFloat32, ctx.world_size, call, ctx.nblocks, stream);
+  });
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for world size ", ctx.world_size);
   rec.last_call = ctx.calls;
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -733,52 +725,13 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   if (!earlier.empty()) throw CallMismatch(earlier);
 }
 
-namespace {
-// The fewest blocks of any kernel instance for world size W that one SM holds.
-template <int W>
-int least_blocks_per_sm() {
-  int least = INT_MAX;
-  auto query = [&least](auto kernel) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, cuda::kThreads, 0));
-    least = std::min(least, n);
-  };
-  auto for_type = [&query](auto zero) {
-    using T = decltype(zero);
-    query(cuda::one_shot_kernel<T, W, false>);
-    query(cuda::one_shot_kernel<T, W, true>);
-    query(cuda::two_shot_kernel<T, W, false>);
-    query(cuda::two_shot_kernel<T, W, true>);
-    query(cuda::reduce_scatter_kernel<T, W>);
-  };
-  for_type(float{});
-  for_type(__half{});
-  for_type(__nv_bfloat16{});
-  query(cuda::all_gather_kernel<uint8_t, W>);
-  query(cuda::all_gather_kernel<uint16_t, W>);
-  query(cuda::all_gather_kernel<uint32_t, W>);
-  query(cuda::all_gather_kernel<uint64_t, W>);
-  return least;
-}
-}  // namespace
-
 int64_t cuda_resident_blocks(int64_t device, int64_t world_size) {
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, static_cast<int>(device)));
-  static_assert(kMaxRanks == 8, "extend the switch below");
+  TORCH_CHECK(world_size >= 1 && world_size <= kMaxRanks, "pyallreduce: no CUDA kernel for world size ", world_size);
   int per_sm = 0;
-  switch (world_size) {
-    case 1: per_sm = least_blocks_per_sm<1>(); break;
-    case 2: per_sm = least_blocks_per_sm<2>(); break;
-    case 3: per_sm = least_blocks_per_sm<3>(); break;
-    case 4: per_sm = least_blocks_per_sm<4>(); break;
-    case 5: per_sm = least_blocks_per_sm<5>(); break;
-    case 6: per_sm = least_blocks_per_sm<6>(); break;
-    case 7: per_sm = least_blocks_per_sm<7>(); break;
-    case 8: per_sm = least_blocks_per_sm<8>(); break;
-    default: TORCH_CHECK(false, "pyallreduce: no CUDA kernel for world size ", world_size);
-  }
+  C10_CUDA_CHECK(cuda::kernels::fewest_resident_blocks_per_sm(static_cast<int>(world_size), &per_sm));
   return int64_t(per_sm) * sms;
 }
 
