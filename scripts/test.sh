@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Sets up from nothing (scripts/setup.sh) and runs the whole test suite.
+# Sets up from nothing (scripts/setup.sh) and runs the whole test suite (the
+# full tier, what CI runs). Arguments go to pytest: --quick runs the quick tier
+# (tests marked quick, first parameter set each; tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
