@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -23,8 +22,8 @@
 
 #include "../common/op_args.h"
 #include "call_plan.h"
-#include "kernel_api.h"
 #include "ipc.h"
+#include "kernel_api.h"
 
 namespace pyallreduce {
 namespace {
