@@ -110,13 +110,19 @@ std::string describe_call(const CallDesc& d, uint32_t epoch) {
 }
 }  // namespace
 
-std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size) {
+std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size,
+                             int64_t mismatches, int64_t last_call) {
   std::ostringstream s;
   s << "pyallreduce: the ranks disagree about collective call " << call
     << " on this communicator; nothing was reduced (every rank raises this error, and the "
        "communicator stays usable). Every rank must make the same calls in the same order, with the "
        "same size, dtype, op and algorithm:";
   for (int q = 0; q < world_size; ++q) s << "\n  rank " << q << ": " << describe_call(descs[q], epoch);
+  if (mismatches > 1) {
+    s << "\nThe ranks disagreed about " << mismatches - 1 << " later call" << (mismatches > 2 ? "s" : "")
+      << " too, up to call " << last_call << ", before this rank looked: those were skipped as well, "
+         "and none of their outputs was written.";
+  }
   return s.str();
 }
 
@@ -409,12 +415,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("desc_kind", [](uint32_t dtype, int64_t algo, uint32_t mode, bool average, bool in_place) {
           return desc_kind(dtype, static_cast<uint32_t>(algo), mode, average, in_place);
         }, py::arg("dtype"), py::arg("algo"), py::arg("mode"), py::arg("average"), py::arg("in_place"));
-  m.def("mismatch_message", [](int64_t call, uint32_t epoch, const std::vector<std::tuple<uint64_t, uint32_t, uint32_t>>& descs) {
+  m.def("mismatch_message", [](int64_t call, uint32_t epoch, const std::vector<std::tuple<uint64_t, uint32_t, uint32_t>>& descs,
+                                int64_t mismatches, int64_t last_call) {
           std::vector<CallDesc> d;
           for (const auto& [bytes, e, kind] : descs) d.push_back(CallDesc{bytes, e, kind});
-          return mismatch_message(call, epoch, d.data(), static_cast<int>(d.size()));
-        }, py::arg("call"), py::arg("epoch"), py::arg("descs"),
+          return mismatch_message(call, epoch, d.data(), static_cast<int>(d.size()), mismatches, last_call);
+        }, py::arg("call"), py::arg("epoch"), py::arg("descs"), py::arg("mismatches") = 1, py::arg("last_call") = 0,
         "the mismatch error text from (bytes, epoch, kind) per rank (the Triton path uses it)");
+  m.def("load_acquire_u32", [](int64_t address) {
+          return __atomic_load_n(reinterpret_cast<const uint32_t*>(address), __ATOMIC_ACQUIRE);
+        }, py::arg("address"),
+        "the 32-bit word at address, read with acquire ordering (the Triton path's status record code, "
+        "stored by a GPU with release: the fields read after it are the ones written before it)");
   // Collective, like a call: the GIL is released while the ranks meet.
   m.def("check", &check, py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   m.def("agree", &agree, py::arg("handle"), py::arg("dtype"), py::arg("nbytes"), py::arg("mode"),

@@ -1,6 +1,12 @@
+import os
+import signal
+
 import pytest
 
 from pyallreduce.transport.host_shm import leaked_segments
+
+# Compiles started by pytest_collection_finish, killed at the end of the session.
+_background = []
 
 
 def pytest_addoption(parser):
@@ -21,11 +27,36 @@ def first_case(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--quick"):
-        return
-    keep = [item for item in items if item.get_closest_marker("quick") and first_case(item)]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
+    if config.getoption("--quick"):
+        keep = [item for item in items if item.get_closest_marker("quick") and first_case(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+    # Modules with long compiles of their own run last (a stable sort keeps the
+    # order otherwise); their compiles start with the session, below.
+    items.sort(key=lambda item: hasattr(item.module, "start_background_compile"))
+
+
+def pytest_collection_finish(session):
+    """Starts the long compiles that some test modules need (the host-shim
+    harness builds, the Triton target compiles) when the session starts, at
+    the lowest CPU priority: they use the cores that the multi-process tests
+    leave idle while their ranks wait on each other, instead of adding minutes
+    at the end. A module that defines start_background_compile(items) gets
+    its selected items and returns the started process (or None); its tests
+    wait for it."""
+    modules = dict.fromkeys(item.module for item in session.items)
+    for module in modules:
+        if hasattr(module, "start_background_compile"):
+            proc = module.start_background_compile([item for item in session.items if item.module is module])
+            if proc is not None:
+                _background.append(proc)
+
+
+def pytest_sessionfinish(session):
+    for proc in _background:  # started in sessions of their own: kill the compilers too
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(autouse=True)

@@ -311,6 +311,7 @@ def deadline_and_checks(rank, world):
             expect_deadline(lambda: tk.all_reduce(x, out, *args, _C.ONE_SHOT, False, short), "start", "1", short)
         dist.barrier()
     finally:
+        tk.release(t.regions, "cpu")  # as Communicator.close(): a deadline stays recorded until then
         t.close()
 
     # Mid barrier: the epochs above are out of step now, so a fresh transport.
@@ -326,6 +327,7 @@ def deadline_and_checks(rank, world):
             expect_deadline(lambda: tk.all_reduce(x, out, *args, _C.TWO_SHOT, False, short), "mid", "1", short)
         dist.barrier()
     finally:
+        tk.release(t.regions, "cpu")  # as Communicator.close(): a deadline stays recorded until then
         t.close()
 
 
@@ -789,3 +791,112 @@ def test_reduce_scatter_and_all_gather_refuse_bad_calls_and_raise_on_every_rank_
     assert messages[1] == messages[0] and messages[2] == messages[0], "the ranks raised differently"
     assert "rank 0: 12000 bytes, Float, sum, reduce_scatter, staged" in messages[0][0], messages[0][0]
     assert "rank 2: 12000 bytes, Float, sum, all_gather, staged" in messages[0][0], messages[0][0]
+
+
+def mismatches_counted_until_the_host_looks(rank, world):
+    """On a GPU the host raises a recorded mismatch only after later launches
+    (triton_kernels._raise_recorded after the next call's launch): the record
+    must keep every mismatched call. The launches here go straight to the
+    kernel with nothing read between them, as a GPU's asynchronous launches
+    do: a mismatch, a matching call, a mismatch; then the host looks."""
+    from pyallreduce import _C
+    from pyallreduce import triton_kernels as tk
+    from pyallreduce.transport import HostShmTransport
+    from pyallreduce.triton_kernels import one_shot
+
+    f32, nblocks, n = torch.float32, 2, 1000
+    t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
+    try:
+        regions_t, status, record = tk.prepare(t.regions, "cpu")
+        kind = _C.desc_kind(_C.dtype_code(f32), _C.ONE_SHOT, _C.MODE_STAGED, False, False)
+
+        def launch(numel, call):
+            x = exact_input(numel, rank, f32, salt=call)
+            out = torch.full((numel,), SENTINEL)
+            one_shot.launch(x, out, regions_t, status, rank, world, MAX_BYTES, nblocks, False, int(TIMEOUT_S * 1e9),
+                            x.nbytes, kind, call)
+            return out
+
+        odd = n + (rank == world - 1)  # the last rank's call is one element longer
+        assert bool((launch(odd, 1) == SENTINEL).all()), "a mismatched call wrote its output"
+        assert torch.equal(launch(n, 2), exact_sum(n, world, f32, salt=2)), "the matching call between"
+        assert bool((launch(odd, 3) == SENTINEL).all()), "a mismatched call wrote its output"
+        with pytest.raises(tk.CallMismatch) as raised:
+            tk._raise_recorded(status, record, rank, world, TIMEOUT_S, torch.device("cpu"))
+        # Every call uses one epoch, from 1: the record keeps the first mismatch's descriptors.
+        descs = [(4 * (n + (q == world - 1)), 1, kind) for q in range(world)]
+        want = _C.mismatch_message(1, 1, descs, 2, 3)
+        assert str(raised.value) == want, f"{raised.value}\n--- expected:\n{want}"
+        assert not bool(status.any()), "the record was not cleared once raised"
+        x = exact_input(n, rank, f32, salt=4)  # the communicator is still usable
+        tk.all_reduce(x, x, t.regions, rank, world, MAX_BYTES, nblocks, _C.TWO_SHOT, False, TIMEOUT_S, call=4)
+        assert torch.equal(x, exact_sum(n, world, f32, salt=4)), "the call after the mismatches is not exact"
+        return str(raised.value)
+    finally:
+        tk.release(t.regions, "cpu")
+        t.close()
+
+
+@pytest.mark.quick
+def test_every_mismatched_call_is_counted_until_the_host_looks():
+    messages = run_ranks(mismatches_counted_until_the_host_looks, 2, timeout=120, env=ENV)
+    assert messages[1] == messages[0], "the ranks raised differently"
+    assert "1 later call too, up to call 3" in messages[0], messages[0]
+
+
+def deadline_at_every_round_of_a_wait(rank, world):
+    """signal.wait_peers with the clocks replaced: the peer arrives after round
+    `arrive` of the wait, and its program's lanes see the deadline pass in
+    different rounds (half from round `late`, half one round later), for every
+    combination. The program must leave the wait once, in one round, with one
+    answer: arrived if any round saw the peer no later than the first late
+    lane, else a deadline, recorded as such."""
+    import triton.language as tl
+    from triton_wait_kernel import wait_kernel
+
+    from pyallreduce.triton_kernels import signal
+
+    start, timeout = 10**12, 1000
+    deadline = start + timeout
+    real = signal.clock_ns, signal.lane_clock_ns
+    failures = []
+    try:
+        for arrive in (0, 1, 2, 3, None):
+            for late in range(5):
+                flags = torch.zeros(signal.MAX_RANKS.value, dtype=torch.int32)
+                flags[0] = 1  # this rank (0) at epoch 1; the peer (1) not yet
+                rounds = []
+
+                def lane_clock(lanes, flags=flags, rounds=rounds, arrive=arrive, late=late):
+                    r = len(rounds)
+                    rounds.append(r)
+                    if r == arrive:
+                        flags[1] = 1  # after this round's load: seen from the next round on
+                    late_from = tl.where(tl.arange(0, signal.VOTE_LANES) < signal.VOTE_LANES // 2, late, late + 1)
+                    return tl.where(late_from <= r, deadline + 1, deadline - 1).to(tl.int64)
+
+                signal.clock_ns = lambda: tl.full((), start, tl.int64)
+                signal.lane_clock_ns = lane_clock
+                status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32)
+                out = torch.full((1,), -1, dtype=torch.int32)
+                regions = torch.tensor([flags.data_ptr()], dtype=torch.int64)
+                wait_kernel[(1,)](regions, status, out, timeout, WORLD_SIZE=2)
+                seen = None if arrive is None else arrive + 1  # the first round whose load sees the peer
+                arrived = seen is not None and seen <= late
+                want_rounds = seen + 1 if arrived else late + 1
+                what = f"peer after round {arrive}, first late lanes in round {late}"
+                if int(out[0]) != int(arrived) or len(rounds) != want_rounds:
+                    failures.append(f"{what}: returned {int(out[0])} after {len(rounds)} rounds, "
+                                    f"want {int(arrived)} after {want_rounds}")
+                code, missing = int(status[signal.STATUS_CODE.value]), int(status[signal.STATUS_MISSING.value])
+                if (code, missing) != ((0, 0) if arrived else (signal.CODE_DEADLINE.value, 0b10)):
+                    failures.append(f"{what}: record code {code}, missing {missing:#b}")
+    finally:
+        signal.clock_ns, signal.lane_clock_ns = real
+    return failures
+
+
+@pytest.mark.quick
+def test_a_wait_decides_once_per_program_at_every_round_the_deadline_can_fall_in():
+    [failures] = run_ranks(deadline_at_every_round_of_a_wait, 1, timeout=120, env=ENV)
+    assert not failures, "\n".join(failures)

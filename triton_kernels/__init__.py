@@ -152,18 +152,17 @@ def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, 
     in step) when the ranks' calls differ, and RuntimeError naming the missing
     ranks past a deadline (the ranks' epochs are out of step afterwards: the
     communicator cannot be used again). On CPU tensors both come from this
-    call. On a GPU the kernel records them and the next call raises them, as
-    RuntimeError either way (signal.py).
+    call. On a GPU the kernel records them and a later call raises them
+    (signal.py): a mismatch names the first skipped call and how many followed.
     """
     _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), algo, _C.MODE_STAGED, average, input.data_ptr() == out.data_ptr())
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
             max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
     _on_device(input.device, lambda: _LAUNCHERS[algo](*args))
-    if not input.is_cuda:  # the interpreter has finished the call
-        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def reduce_scatter(input, out, regions, rank, world_size, max_bytes, nblocks, average, timeout_s, call=0):
@@ -183,13 +182,12 @@ def reduce_scatter(input, out, regions, rank, world_size, max_bytes, nblocks, av
     """
     in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=True)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.REDUCE_SCATTER, _C.MODE_STAGED, average, in_place)
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
             max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
     _on_device(input.device, lambda: scatter_gather.launch_reduce_scatter(*args))
-    if not input.is_cuda:  # the interpreter has finished the call
-        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def all_gather(input, out, regions, rank, world_size, max_bytes, nblocks, timeout_s, call=0):
@@ -203,13 +201,12 @@ def all_gather(input, out, regions, rank, world_size, max_bytes, nblocks, timeou
     """
     in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=False)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.ALL_GATHER, _C.MODE_STAGED, False, in_place)
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, max(1, int(timeout_s * 1e9)),
             out.nbytes, kind, call)
     _on_device(input.device, lambda: scatter_gather.launch_all_gather(*args))
-    if not input.is_cuda:
-        _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size, nblocks, timeout_s, device, call=0,
@@ -225,7 +222,7 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
     device = torch.device(device)
     _check_group(regions, rank, world_size, nblocks, device)
     regions_t, status, record = _args_for(regions, device)
-    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=False)
+    _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=False)
     kind = _C.desc_kind(dtype_code, algo, mode, average, in_place)
 
     def run():
@@ -235,31 +232,44 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
             torch.cuda.current_stream().synchronize()
 
     _on_device(device, run)
-    _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call=True)
+    _raise_recorded(status, record, rank, world_size, timeout_s, device)
 
 
-def _raise_recorded(record, status, rank, world_size, timeout_s, call, this_call):
-    """Raises from the status record, if a program filled it in, and clears it.
-    this_call: the launch that ran last has finished (interpreter, or a
-    synchronised agreement round), so a mismatch it recorded raises
-    CallMismatch from the call itself."""
-    code = int(record[signal.STATUS_CODE.value])
-    if code == signal.CODE_OK:
+def _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=True):
+    """Raises what a program recorded in the status record, if anything (only
+    a deadline when not mismatch_too; signal.py explains the record).
+
+    A deadline raises RuntimeError and stays recorded: the ranks' epochs are
+    out of step, the communicator is broken. A mismatch raises CallMismatch
+    naming the first skipped call and how many followed, once no kernel on
+    these regions can still write the record: on a GPU the current stream is
+    synchronised first (every earlier launch precedes its tail), under the
+    interpreter the launch has finished. The record is then cleared. Inside a
+    CUDA graph capture nothing can wait: the record is raised and kept."""
+    if int(record[signal.STATUS_CODE.value]) == signal.CODE_OK:
         return
+    # Read again with acquire: on a GPU the code was stored with release after
+    # the fields, which a plain read of the code does not order the host's
+    # later reads after (aarch64 hosts reorder loads).
+    code = _C.load_acquire_u32(status.data_ptr() + 4 * signal.STATUS_CODE.value)
+    if code == signal.CODE_MISMATCH.value and not mismatch_too:
+        return
+    on_gpu = device.type == "cuda"
+    capturing = on_gpu and torch.cuda.is_current_stream_capturing()
+    if code == signal.CODE_MISMATCH.value and on_gpu and not capturing:
+        torch.cuda.current_stream(device).synchronize()
     words = status.tolist()
     longs = status.view(torch.int64).tolist()
-    status.zero_()
     epoch = words[signal.STATUS_EPOCH.value] & 0xFFFFFFFF
     failed_call = longs[signal.STATUS_CALL64.value]
     if code == signal.CODE_MISMATCH.value:
+        if not capturing:
+            status.zero_()
         words64 = longs[signal.STATUS_DESCS64.value:]
         # (bytes, epoch, kind) per rank, from CallDesc's words: bytes, epoch | kind << 32.
         descs = [(words64[2 * q], words64[2 * q + 1] & 0xFFFFFFFF, words64[2 * q + 1] >> 32) for q in range(world_size)]
-        message = _C.mismatch_message(failed_call, epoch, descs)
-        if this_call and failed_call == call:
-            raise CallMismatch(message)
-        raise RuntimeError(f"{message}\n(The GPU kernel of that call recorded this; it is raised at a later call, "
-                           "which ranks may reach one call apart, so this communicator cannot be used again.)")
+        raise CallMismatch(_C.mismatch_message(failed_call, epoch, descs, words[signal.STATUS_MISMATCHES.value],
+                                               longs[signal.STATUS_LAST_CALL64.value]))
     barrier = signal.BARRIER_NAMES.get(words[signal.STATUS_BARRIER.value], "?")
     missing = " ".join(str(q) for q in signal.missing_ranks(words[signal.STATUS_MISSING.value], world_size))
     raise RuntimeError(

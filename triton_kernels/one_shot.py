@@ -7,7 +7,7 @@ import triton.language as tl
 
 from pyallreduce import _C
 
-from .signal import DATA_OFFSET, next_epoch, start_call
+from .signal import DATA_OFFSET, NUM_WARPS, next_epoch, start_call
 
 # Chunk width in bytes, the same for every dtype, so that an fp32 call and a
 # bf16 call give each program the same bytes of the staging buffers (the
@@ -15,7 +15,6 @@ from .signal import DATA_OFFSET, next_epoch, start_call
 # boundaries are slice boundaries, which protocol.h keeps on that grid. On a
 # GPU that is 32 bytes (two 16-byte vectors) per thread at 4 warps.
 CHUNK_BYTES = _C.ALIGNMENT
-NUM_WARPS = 4
 
 
 # Which program handles chunk c (protocol.h chunk_block): (c // W) % nprog, in

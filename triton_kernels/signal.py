@@ -36,20 +36,28 @@ turned 0 -> 1), with the code written last:
                synchronisation: the cheapest sound choice. (Device memory would
                need a device-to-host copy, i.e. a stream synchronisation, per
                check.) The code is stored with st.release.sys after a CTA
-               barrier, so the host that reads a nonzero code reads the fields
-               too. The claim is a device-scope CAS: only this process's
+               barrier, and the host reads a nonzero code again with an
+               acquire load (pyallreduce._C.load_acquire_u32) before the
+               fields. The claim is a device-scope CAS: only this process's
                kernels write its record. The launcher checks the record before
-               every launch, and an agreement round synchronises its stream and
-               checks after it. A failure of an all_reduce launch is seen at
-               the next call (ranks may see it one call apart), so on a GPU it
-               breaks the communicator, mismatches included; each rank's kernel
-               left its epochs in step, so no later kernel hangs or reads
-               another call's data meanwhile, but the failed call's output
-               was not written. Not yet run on a GPU. Known gap: at the very
-               instant of a deadline, warps of one program can disagree
-               (each reads the clock and the flags itself), and
-               record_failure holds CTA barriers (the claim's broadcast, the
-               one before the code).
+               every launch (a deadline: launch nothing) and after it; an
+               agreement round synchronises its stream first. A mismatch of a
+               launch the host has not waited for is raised at a later call
+               (ranks may raise it one call apart), once the current stream is
+               synchronised (every earlier launch precedes its tail: the
+               communicator's launch order), so no kernel still writes the
+               record when the host reads and clears it. Every mismatched
+               call is counted (count_mismatch), the error names the first and
+               how many followed, none of which wrote its output, and the
+               communicator stays usable: each rank's kernel left its epochs
+               in step, as on the CUDA backend. Inside a CUDA graph capture
+               nothing can wait: the record is raised and kept. Not yet run on
+               a GPU.
+Branches that hold CTA barriers (record_failure's claim broadcast and the
+barrier before the code, signal_peers) are taken by a whole program or not
+at all: a wait's outcome is one vote per program (wait_peers), a scalar
+atomic's result is the same in every thread, and the descriptors compared
+after the start barrier are stable by then.
 """
 import os
 import time
@@ -76,6 +84,11 @@ DATA_OFFSET = tl.constexpr(_C.DATA_OFFSET)
 DESC_WORD1_COMPARED = tl.constexpr((_C.DESC_COMPARED << 32 | 0xFFFFFFFF) - (1 << 64))
 # tl.arange needs a power of two: one lane per possible peer.
 RANK_LANES = tl.constexpr(triton.next_power_of_2(_C.MAX_RANKS))
+# Warps of the data kernels (the agreement kernel runs 1). A wait's vote
+# (wait_peers) needs at least one lane per thread: with fewer, lanes would be
+# replicated across threads and each copy reduced on its own.
+NUM_WARPS = 4
+VOTE_LANES = tl.constexpr(32 * NUM_WARPS)
 
 # Which barrier a deadline passed in.
 START_BARRIER = tl.constexpr(1)
@@ -92,7 +105,9 @@ STATUS_EPOCH = tl.constexpr(4)     # e of the failed call
 STATUS_MISSING = tl.constexpr(5)   # deadline: bit q set = rank q never arrived
 STATUS_CALL64 = tl.constexpr(3)    # int64 word 3 (int32 words 6, 7): the user's call number
 STATUS_DESCS64 = tl.constexpr(4)   # int64 words 4 + 2q, 5 + 2q: rank q's descriptor as read (mismatch)
-STATUS_WORDS = 2 * (4 + 2 * _C.MAX_RANKS)
+STATUS_LAST_CALL64 = tl.constexpr(4 + 2 * _C.MAX_RANKS)  # int64 word: the last mismatched call's number
+STATUS_MISMATCHES = tl.constexpr(2 * (5 + 2 * _C.MAX_RANKS))  # mismatched calls since the host cleared the record
+STATUS_WORDS = 2 * (6 + 2 * _C.MAX_RANKS)
 CODE_OK = 0
 CODE_DEADLINE = tl.constexpr(1)  # a rank never arrived: epochs are out of step
 CODE_MISMATCH = tl.constexpr(2)  # descriptors differ: nothing written, epochs in step
@@ -104,10 +119,21 @@ if INTERPRET:
         # the core to a peer process that still has to arrive.
         os.sched_yield()
         return tl.full((), time.monotonic_ns(), tl.int64)
+
+    def lane_clock_ns(lanes):
+        return tl.full(lanes.shape, time.monotonic_ns(), tl.int64)
 else:
     @triton.jit
     def clock_ns():
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def lane_clock_ns(lanes):
+        """The clock as read by the thread holding each element of `lanes`
+        (whose values are unused: the input only gives the asm its shape, so
+        every thread reads the clock itself)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=tl.int64,
                                          is_pure=False, pack=1)
 
 
@@ -198,26 +224,57 @@ def record_failure(status_ptr, code: tl.constexpr, barrier_id, pid, e, missing, 
 
 
 @triton.jit
+def count_mismatch(status_ptr, pid, call):
+    """Counts a mismatched call in the status record and notes its number:
+    the host may look only after later calls ran (on a GPU it raises a
+    recorded mismatch after launching the next call), and none of them may go
+    unreported. Program 0 counts: every program of a mismatched call sees the
+    mismatch, and a communicator's launches run one after another. A scalar
+    atomic runs once per program."""
+    if pid == 0:
+        tl.atomic_add(status_ptr + STATUS_MISMATCHES, 1, sem="relaxed", scope="gpu")
+        words = status_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        tl.atomic_xchg(words + STATUS_LAST_CALL64, call.to(tl.int64), sem="relaxed", scope="gpu")
+
+
+# A wait's vote (wait_peers): the largest wins.
+WAITING = tl.constexpr(0)
+LATE = tl.constexpr(1)
+ARRIVED = tl.constexpr(2)
+
+
+@triton.jit
 def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr, call,
                barrier_id: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """Spins until flags[pid][q] of this rank's region (own_base: its address)
     has reached e for every q < WORLD_SIZE, acquire at system scope; returns
     True then. Past timeout_ns it records the missing ranks in the status
     record and returns False.
+
+    One decision per program. Each thread loads the flags and reads the clock
+    itself, so at the deadline instant two warps could see different things
+    and take different paths (the deadline's and the barrier's) and never
+    meet again. Every round therefore ends in a vote over VOTE_LANES lanes,
+    at least one per thread, reduced through shared memory: ARRIVED if any
+    thread saw every peer there (flags only move forward within a call, so
+    every peer was), else LATE if any thread's clock passed the deadline, else
+    WAITING. Every thread gets the same result of the reduction, so the whole
+    program leaves the loop in the same round with the same answer.
     """
     q = tl.arange(0, RANK_LANES)
     live = q < WORLD_SIZE
     flags = own_base + flags_offset + (pid * MAX_RANKS + tl.minimum(q, WORLD_SIZE - 1)).to(tl.int64) * 4
+    vote_lanes = tl.zeros([VOTE_LANES], tl.int32)  # gives lane_clock_ns its shape (an arange made ptxas spill)
     deadline = clock_ns() + timeout_ns.to(tl.int64)
     reached = q >= WORLD_SIZE
-    state = tl.full((), 0, tl.int32)  # 0 waiting, 1 every peer arrived, 2 deadline passed
+    state = tl.full((), WAITING, tl.int32)
     if _INTERPRET:
         # An earlier program of this launch already missed its deadline: the
         # call has failed, do not wait a second time. (A mismatch recorded by an
         # earlier program does not count: this program still has to meet its
         # peers to stay in step.)
-        state = tl.where(tl.load(status_ptr + STATUS_CODE) == CODE_DEADLINE, 2, 0)
-    while state == 0:
+        state = tl.where(tl.load(status_ptr + STATUS_CODE) == CODE_DEADLINE, LATE, WAITING)
+    while state == WAITING:
         seen = load_acquire(flags)
         # "Reached" is seen - e in {0, 1} (protocol.h, epoch_reached): a peer may
         # already be one barrier ahead and have overwritten e with e + 1, and a
@@ -225,14 +282,15 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
         ahead = seen - e
         reached = ((ahead == 0) | (ahead == 1)) | ~live
         arrived = tl.min(reached.to(tl.int32), axis=0) == 1
-        state = tl.where(arrived, 1, tl.where(clock_ns() > deadline, 2, 0))
-    if state == 2:
+        votes = tl.where(arrived, ARRIVED, tl.where(lane_clock_ns(vote_lanes) > deadline, LATE, WAITING))
+        state = tl.max(votes, axis=0)
+    if state == LATE:
         missing = tl.sum(tl.where(reached, 0, 1 << q), axis=0)
         record_failure(status_ptr, CODE_DEADLINE, barrier_id, pid, e, missing, call,
                        tl.zeros([RANK_LANES, 2], tl.int64), WORLD_SIZE)
     # Every thread's later loads of peer data come after the acquire above.
     tl.debug_barrier()
-    return state == 1
+    return state == ARRIVED
 
 
 @triton.jit
@@ -278,6 +336,7 @@ def start_call(regions_ptr, own_base, pid, rank, e, desc_bytes, kind, timeout_ns
             if HAS_MID:  # the call skips its mid barrier: store e there, as a call without one does
                 signal_peers(regions_ptr, MID_FLAGS_OFFSET, pid, rank, e, WORLD_SIZE)
             record_failure(status_ptr, CODE_MISMATCH, 0, pid, e, 0, call, descs, WORLD_SIZE)
+            count_mismatch(status_ptr, pid, call)
         ok = agree
     return ok
 

@@ -60,7 +60,11 @@ struct CallMismatch : std::runtime_error {
 };
 
 // The text of CallMismatch: every rank's call, one line each.
-std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size);
+// mismatches > 1: that many calls were skipped before this rank looked (a GPU
+// kernel records them; the host raises at a later call), the last of them
+// `last_call`.
+std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs, int world_size,
+                             int64_t mismatches = 1, int64_t last_call = 0);
 // Whether every descs[q] equals mine (epoch included).
 bool calls_agree(const CallDesc& mine, const CallDesc* descs, int world_size);
 

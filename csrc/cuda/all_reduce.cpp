@@ -286,7 +286,6 @@ struct StatusRecord {
   cuda::CallStatus* host = nullptr;
   cuda::CallStatus* device = nullptr;  // the same memory as the kernels address it
   char* own_region = nullptr;          // tells a record of a destroyed context whose address was reused
-  int64_t last_call = 0;               // ctx.calls of the last launch: the call a record is about
   cuda::LaunchOrder order;             // the last eager launch's stream (call_plan.h)
   cudaEvent_t launched = nullptr;      // recorded after it
 };
@@ -350,30 +349,47 @@ void launch_in_order(StatusRecord& rec, cudaStream_t stream, bool capturing, Lau
   if (!capturing) C10_CUDA_CHECK(cudaEventRecord(rec.launched, stream));
 }
 
+// Waits until no kernel of this communicator can still write its record: its
+// last eager launch (every earlier one ran before it: launch_in_order) and
+// what `stream`, the caller's current stream, holds (a replayed graph runs
+// there, ordered with the eager calls as comm.capture() requires). Not
+// cudaDeviceSynchronize: that waits for every stream of the device, NCCL's
+// too, and is prohibited while another thread captures in global mode. This
+// thread's capture mode is relaxed around the waits, which touch no stream
+// that another thread captures.
+void wait_for_kernels(const StatusRecord& rec, cudaStream_t stream) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  cudaError_t err = cudaEventSynchronize(rec.launched);  // never recorded: returns at once
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
+  C10_CUDA_CHECK(err);
+  C10_CUDA_CHECK(restored);
+}
+
 // Raises what the kernels recorded, if anything (only a deadline when
 // `mismatch_too` is false). A deadline stays recorded and marks the context
-// broken (epochs are out of step). A mismatch is cleared once no kernel of ours
-// can still write the record (so the next call starts clean) and raised as
-// CallMismatch: the kernels skipped that call and put the epochs back in step.
-// While `stream` is being captured nothing can wait: the record is then raised
-// and kept.
+// broken (epochs are out of step). A mismatch is raised as CallMismatch (the
+// kernels skipped the call and put the epochs back in step) once no kernel of
+// ours can still count one, naming the first skipped call and how many
+// followed; the record is cleared, so the next call starts clean. While
+// `stream` is being captured nothing can wait: the record is then raised and
+// kept.
 void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool mismatch_too = true) {
   const uint32_t code = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE);
   if (code == cuda::kStatusOk || (code == cuda::kStatusMismatch && !mismatch_too)) return;
-  const cuda::CallStatus st = *rec.host;
   if (code == cuda::kStatusDeadline) {
-    const std::string msg = cuda::deadline_message(st, ctx.rank, ctx.world_size, ctx.timeout_ns);
+    const std::string msg = cuda::deadline_message(*rec.host, ctx.rank, ctx.world_size, ctx.timeout_ns);
     ctx.broken_reason = msg;
     ctx.broken.store(true);
     TORCH_CHECK(false, msg);
   }
-  if (!is_capturing(stream)) {
-    // Other blocks of that kernel may still be finishing (the record's writer
-    // was only the first); the kernel may be on another stream.
-    C10_CUDA_CHECK(cudaDeviceSynchronize());
-    std::memset(rec.host, 0, sizeof(cuda::CallStatus));
-  }
-  throw CallMismatch(mismatch_message(rec.last_call, st.epoch, st.descs, ctx.world_size));
+  const bool capturing = is_capturing(stream);
+  if (!capturing) wait_for_kernels(rec, stream);
+  const cuda::CallStatus st = *rec.host;
+  if (!capturing) std::memset(rec.host, 0, sizeof(cuda::CallStatus));
+  throw CallMismatch(mismatch_message(st.call, st.epoch, st.descs, ctx.world_size, st.mismatches,
+                                      st.last_mismatch_call));
 }
 
 }  // namespace
@@ -383,7 +399,7 @@ void cuda_check(Context& ctx) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx.device));
   StatusRecord& rec = status_of(ctx);
   // Every kernel launched so far finishes or reaches its deadline.
-  if (!is_capturing(stream)) C10_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!is_capturing(stream)) wait_for_kernels(rec, stream);
   raise_recorded(ctx, rec, stream);
 }
 
@@ -647,10 +663,10 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   // Its mismatch is raised only after this call is launched (below): the
   // host cannot know whether its previous kernel has finished, so whether it
   // sees that record yet depends on timing; every rank launching every call
-  // keeps the ranks in step whichever call each one raises in.
+  // keeps the ranks in step whichever call each one raises in (the record
+  // counts every mismatched call, so none goes unreported).
   StatusRecord& rec = status_of(ctx);
   raise_recorded(ctx, rec, stream, /*mismatch_too=*/false);
-  const bool seen_before = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE) == cuda::kStatusMismatch;
 
   cuda::Call call{};
   for (int q = 0; q < ctx.world_size; ++q) call.regions[q] = ctx.regions[q];
@@ -662,6 +678,7 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   call.algo = algo;
   call.average = average;
   call.dtype = dtype_code(input.scalar_type());
+  call.call_number = ctx.calls;
   call.status = rec.device;
   const bool capturing = is_capturing(stream);
   const bool launched = algo == kReduceScatter || algo == kAllGather
@@ -669,12 +686,7 @@ void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int
                             : launch_all_reduce_call(ctx, rec, stream, capturing, input, out, algo, call);
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for dtype ", input.scalar_type(),
               " and world size ", ctx.world_size);
-  // The call the error names: a record already there before this launch is an
-  // earlier call's (the last launched one, most likely); one that appears now
-  // may be this call's or the previous one's (its descriptors tell).
-  if (!seen_before) rec.last_call = ctx.calls;
   raise_recorded(ctx, rec, stream);
-  rec.last_call = ctx.calls;
 }
 
 void cuda_agree(Context& ctx, CallDesc desc) {
@@ -684,17 +696,10 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   // capture cannot wait for it: there is no agreement round inside a capture.
   if (is_capturing(stream)) return;
   StatusRecord& rec = status_of(ctx);
+  // An earlier call's deadline: launch nothing. Its mismatch is raised after
+  // the round (every rank runs every round), with the round's own if any: the
+  // record counts both.
   raise_recorded(ctx, rec, stream, /*mismatch_too=*/false);
-  // An earlier call's mismatch not raised yet: take it out of the record first,
-  // so this round's own answer is recorded (the record keeps the first only),
-  // and raise it after the round (every rank runs every round).
-  C10_CUDA_CHECK(cudaDeviceSynchronize());
-  std::string earlier;
-  try {
-    raise_recorded(ctx, rec, stream);
-  } catch (const CallMismatch& e) {
-    earlier = e.what();
-  }
 
   // The one-shot kernel with no bytes: start barrier, descriptor check, the
   // mid flags stored (protocol.h, kAgreeOnly). Its element type is immaterial.
@@ -712,16 +717,15 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   call.dtype = desc.kind & 0xFFu;
   call.average = (desc.kind >> 24) & 1u;
   call.in_place = (desc.kind >> 25) & 1u;
+  call.call_number = ctx.calls;
   call.status = rec.device;
   bool launched = false;
   launch_in_order(rec, stream, /*capturing=*/false, [&] {
     launched = cuda::kernels::all_reduce(cuda::Element::kFloat32, ctx.world_size, call, ctx.nblocks, stream);
   });
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for world size ", ctx.world_size);
-  rec.last_call = ctx.calls;
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  wait_for_kernels(rec, stream);
   raise_recorded(ctx, rec, stream);
-  if (!earlier.empty()) throw CallMismatch(earlier);
 }
 
 int64_t cuda_resident_blocks(int64_t device, int64_t world_size) {

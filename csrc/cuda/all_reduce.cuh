@@ -54,6 +54,7 @@ struct KernelArgs {
   const GraphEntry* graph_entry;  // nullptr: the buffers above are final
   CallStatus* status;
   uint64_t desc_bytes;
+  int64_t call_number;
   int rank;
   int mode;
   int algo;                        // what runs: kOneShot, kTwoShot, kReduceScatter, kAllGather or kAgreeOnly
@@ -146,9 +147,17 @@ __device__ __forceinline__ void record_failure(const KernelArgs& a, uint32_t cod
   st->block = blockIdx.x;
   st->epoch = e;
   st->missing = missing;
+  st->call = a.call_number;
 #pragma unroll
   for (int q = 0; q < W; ++q) st->descs[q] = view.seen[q];
   store_release_sys(&st->code, code);
+}
+
+// Counts a mismatched call in the status record (kernel_api.h CallStatus).
+__device__ __forceinline__ void count_mismatch(const KernelArgs& a) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  a.status->mismatches += 1;
+  a.status->last_mismatch_call = a.call_number;
 }
 
 // Block b meets block b of every peer on one flag array at epoch e: thread q
@@ -236,6 +245,7 @@ __device__ __forceinline__ bool start_call(const KernelArgs& a, char* own_region
     store_release_sys(flag_ptr(select_rank<W>(a.regions, threadIdx.x), kMidFlagsOffset, blockIdx.x, a.rank), e);
   }
   record_failure<W>(a, kStatusMismatch, kBarrierStart, e, 0, view);
+  count_mismatch(a);
   return false;
 }
 
@@ -719,6 +729,7 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.graph_entry = call.graph_entry;
   a.status = call.status;
   a.desc_bytes = call.desc_bytes;
+  a.call_number = call.call_number;
   a.rank = call.rank;
   a.mode = call.mode;
   a.algo = int(kernel_algo(call.algo, call.mode));

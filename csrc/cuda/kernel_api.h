@@ -48,6 +48,13 @@ enum Mode : int {
 // every launch, after an agreement round and in cuda_check. The first failing
 // block claims it (claimed 0 -> 1), fills it in, and stores code last
 // (release, system scope); the host reads code (acquire), then the rest.
+// Every mismatched call is counted, not only the first: the host raises a
+// recorded mismatch only after launching the next call, which may mismatch
+// too, and a program that catches the error and goes on must learn that
+// neither call wrote its output. Block 0 counts (every block of a mismatched
+// call sees the mismatch; the communicator's kernels run one after another,
+// so it is the only writer), and the host reads the count once no kernel of
+// the communicator runs.
 constexpr uint32_t kStatusOk = 0;
 constexpr uint32_t kStatusDeadline = 1;  // a rank never arrived: the communicator is broken
 constexpr uint32_t kStatusMismatch = 2;  // descriptors differ: nothing written, ranks in step
@@ -61,10 +68,13 @@ struct CallStatus {
   uint32_t claimed;
   uint32_t barrier;             // deadline: which barrier
   uint32_t block;
-  uint32_t epoch;               // e of the failed call
+  uint32_t epoch;               // e of the (first) failed call
   uint32_t missing;             // deadline: bit q set = rank q never arrived
-  uint32_t unused[2];           // keeps descs 16-byte aligned
-  CallDesc descs[kMaxRanks];    // mismatch: every rank's descriptor as read here
+  uint32_t mismatches;          // mismatched calls since the host last cleared the record
+  uint32_t unused;              // keeps the 64-bit fields aligned
+  int64_t call;                 // Call::call_number of the (first) failed call
+  int64_t last_mismatch_call;   // Call::call_number of the last mismatched call
+  CallDesc descs[kMaxRanks];    // mismatch: every rank's descriptor as read here (the first call's)
 };
 
 // A captured call's entry in the communicator's graph table (device memory).
@@ -100,6 +110,8 @@ struct Call {
   bool in_place;                // the caller's input and out are one tensor (descriptor only)
   uint32_t dtype;               // c10::ScalarType value (descriptor only)
   uint64_t desc_bytes;          // the call's payload as published (bytes, or an agreement's size)
+  int64_t call_number;          // the communicator's count of collective calls, for the status record
+                                // (a captured call keeps the number it was captured with)
   const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
   CallStatus* status;           // device address of the communicator's status record
 };

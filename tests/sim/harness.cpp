@@ -179,6 +179,8 @@ struct Rank {
   char* base = nullptr;         // this rank's mapping of the shared file
   int64_t per_rank = 0;         // region + registered buffer
   CallStatus status{};          // the glue's pinned record (private to the rank)
+  uint32_t kept_mismatches = 0; // mismatches the record holds because the "host" has not looked yet
+  int64_t first_kept_call = 0;  // the call number of the first of them
   GraphEntry entries[kGraphEntries]{};
   std::mt19937_64 rng;
   int failures = 0;
@@ -330,7 +332,11 @@ bool launch_call(Rank& r, const CallSpec& s, const Call& call) {
 
 // Runs one call on rank r: the glue's decisions (call_plan.h), the kernel,
 // then every check. specs[q] is rank q's call.
-void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32_t missing = 0) {
+// host_clears: after a mismatch, clear the record as the glue does once it
+// raised; false leaves it as the glue leaves it until it looks (it raises a
+// recorded mismatch only after launching the next call).
+void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32_t missing = 0,
+              bool host_clears = true) {
   const CallSpec& s = specs[size_t(r.rank)];
   ++r.calls;
   if (s.skip) return;
@@ -390,6 +396,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   call.average = s.average;
   call.in_place = plan.in_place;
   call.dtype = kDtypeCodes[s.dtype];
+  call.call_number = r.calls;
   call.status = &r.status;
   char* in_tmp = nullptr;
   char* out_tmp = nullptr;
@@ -433,9 +440,11 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   // Checks.
   const uint32_t code = __atomic_load_n(&r.status.code, __ATOMIC_ACQUIRE);
   if (expect == Expect::kOk) {
-    if (code != kStatusOk) {
-      r.fail("status code %u (barrier %s, missing 0x%x) on a matching call", code,
-             barrier_name(r.status.barrier), r.status.missing);
+    const uint32_t want_code = r.kept_mismatches > 0 ? kStatusMismatch : kStatusOk;
+    if (code != want_code || r.status.mismatches != r.kept_mismatches) {
+      r.fail("status code %u (barrier %s, missing 0x%x, %u mismatches) on a matching call, want code %u, "
+             "%u mismatches", code, barrier_name(r.status.barrier), r.status.missing, r.status.mismatches,
+             want_code, r.kept_mismatches);
     } else if (s.algo == kAllGather) {
       std::vector<char> want(static_cast<size_t>(bytes));
       for (int q = 0; q < W; ++q) {
@@ -454,8 +463,14 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
       if (staged_two_shot && W > 1) check_two_shot_share(r, input.data(), want.data(), bytes);
     }
   } else if (expect == Expect::kMismatch) {
+    const int64_t first_call = r.kept_mismatches > 0 ? r.first_kept_call : r.calls;
     if (code != kStatusMismatch) {
       r.fail("status code %u on a mismatched call, want %u", code, kStatusMismatch);
+    } else if (r.status.mismatches != r.kept_mismatches + 1 || r.status.call != first_call ||
+               r.status.last_mismatch_call != r.calls) {
+      r.fail("mismatch record: %u mismatches, calls %" PRId64 "..%" PRId64 ", want %u, calls %" PRId64
+             "..%" PRId64, r.status.mismatches, r.status.call, r.status.last_mismatch_call,
+             r.kept_mismatches + 1, first_call, r.calls);
     } else {
       for (int q = 0; q < W; ++q) {
         const CallDesc want = expected_desc(specs[size_t(q)], r.status.epoch, W);
@@ -467,7 +482,13 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
       }
     }
     if (std::memcmp(before.data(), out, size_t(out_bytes)) != 0) r.fail("a mismatched call wrote its output");
-    std::memset(&r.status, 0, sizeof(r.status));  // the glue clears a mismatch once raised
+    if (host_clears) {
+      std::memset(&r.status, 0, sizeof(r.status));  // the glue clears a mismatch once raised
+      r.kept_mismatches = 0;
+    } else {
+      r.first_kept_call = first_call;
+      ++r.kept_mismatches;
+    }
   } else {
     if (code != kStatusDeadline || r.status.missing != missing) {
       r.fail("status code %u missing 0x%x, want a deadline with missing 0x%x", code, r.status.missing, missing);
@@ -857,6 +878,14 @@ RankBody mismatch_script(int followups) {
       cases.push_back(v);
     }
     std::mt19937_64 g(r.cfg.seed);
+    // The host does not look between mismatches (the glue raises a recorded
+    // one only after launching the next call, which may mismatch too): the
+    // record keeps the first call's descriptors and counts every mismatch up
+    // to the last, whatever matching calls ran between them.
+    run_call(r, cases[0], Expect::kMismatch, 0, /*host_clears=*/false);
+    run_call(r, same(random_spec(g, r.cfg, true)), Expect::kOk);
+    run_call(r, cases[0], Expect::kMismatch, 0, /*host_clears=*/false);
+    run_call(r, cases[0], Expect::kMismatch);
     for (const auto& c : cases) {
       run_call(r, c, Expect::kMismatch);
       random_pause(r);
