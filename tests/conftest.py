@@ -44,6 +44,8 @@ def pytest_collection_finish(session):
     at the end. A module that defines start_background_compile(items) gets
     its selected items and returns the started process (or None); its tests
     wait for it."""
+    if session.config.option.collectonly:
+        return
     modules = dict.fromkeys(item.module for item in session.items)
     for module in modules:
         if hasattr(module, "start_background_compile"):

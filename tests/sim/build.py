@@ -2,7 +2,9 @@
 tests/test_cuda_sim.py and tests/sim/mutants.py. g++ only: no torch, no GPU.
 
     python tests/sim/build.py [plain|asan|tsan|coverage] [OUTPUT]
+    python tests/sim/build.py --cached FLAVOUR...   (what tests/test_cuda_sim.py runs)
 """
+import hashlib
 import os
 import re
 import shutil
@@ -23,6 +25,34 @@ FLAVOURS = {
     "tsan": ["-O1", "-fsanitize=thread", SANITIZER_WORLDS],
     "coverage": ["-O0", "--coverage", "-DSIM_COVERAGE"],
 }
+
+
+# What a harness binary is built from: a change to any of them rebuilds it.
+SOURCES = [ROOT / "tests" / "sim" / "harness.cpp", ROOT / "tests" / "sim" / "cuda_shim.h", Path(__file__).resolve(),
+           *sorted((ROOT / "csrc" / "cuda").glob("*.h")), *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
+           ROOT / "csrc" / "common" / "protocol.h"]
+
+
+def cached_harness(flavour):
+    """Where the harness of `flavour` built from today's sources is kept
+    (build/sim, named by a hash of SOURCES and the flavour's flags)."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(FLAVOURS[flavour]).encode())
+    return ROOT / "build" / "sim" / f"harness_{flavour}_{digest.hexdigest()[:16]}"
+
+
+def build_cached(flavour):
+    """cached_harness(flavour), built first if it is not there. The binary
+    appears whole (renamed into place), so a concurrent build is harmless."""
+    exe = cached_harness(flavour)
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
+        compile_harness(tmp, flavour)
+        tmp.replace(exe)
+    return exe
 
 
 def cuda_include():
@@ -81,6 +111,10 @@ def run_env(flavour):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cached"]:
+        for flavour in sys.argv[2:]:
+            print(build_cached(flavour))
+        sys.exit(0)
     flavour = sys.argv[1] if len(sys.argv) > 1 else "plain"
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "build" / "sim" / f"harness_{flavour}"
     out.parent.mkdir(parents=True, exist_ok=True)
