@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 import pyallreduce
+from pyallreduce.protocol import REDUCED_DTYPES
 from pyallreduce.transport.host_shm import leaked_segments
 from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
-FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FAST_DTYPES = REDUCED_DTYPES  # the kernels' dtypes
 FALLBACK_DTYPES = (torch.float64, torch.int32)
 FALLBACK_SHARE = 0.05
 RANDOM_FLOAT_SHARE = 0.25

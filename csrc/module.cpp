@@ -128,15 +128,6 @@ std::string mismatch_message(int64_t call, uint32_t epoch, const CallDesc* descs
 
 // ---- argument checks --------------------------------------------------------
 
-namespace {
-// Whether `part` is exactly segment `rank` of `whole`: the one overlap
-// reduce-scatter and all-gather accept (protocol.h).
-bool is_own_segment(const at::Tensor& part, const at::Tensor& whole, int rank) {
-  return static_cast<const char*>(part.data_ptr()) ==
-         static_cast<const char*>(whole.data_ptr()) + rank * static_cast<int64_t>(part.nbytes());
-}
-}  // namespace
-
 // Why input/out cannot go to a kernel as they are, or "" if they can.
 std::string collective_args_problem(const Context& ctx, const at::Tensor& input, const at::Tensor& out,
                                     int64_t algo) {
@@ -171,7 +162,10 @@ std::string collective_args_problem(const Context& ctx, const at::Tensor& input,
   }
   const auto overlap = at::get_overlap_status(input, out);
   if (segmented) {
-    if (overlap != at::MemOverlapStatus::No && !is_own_segment(segment, whole, ctx.rank)) {
+    const bool own_segment = collective_in_place(reinterpret_cast<uintptr_t>(input.data_ptr()),
+                                                 reinterpret_cast<uintptr_t>(out.data_ptr()),
+                                                 static_cast<int64_t>(segment.nbytes()), ctx.rank, algo);
+    if (overlap != at::MemOverlapStatus::No && !own_segment) {
       return c10::str("pyallreduce: the input and out of ", scatters ? "reduce_scatter" : "all_gather",
                       " overlap; pass separate tensors, or as ", scatters ? "out" : "input",
                       " exactly this rank's segment of ", scatters ? "input" : "out");
@@ -222,7 +216,7 @@ void run_guarded(CollectiveGuard& guard, Context& ctx, Body&& body) {
   }
 }
 
-void run_on_context(Context& ctx, AllReduceImpl impl, const at::Tensor& input, at::Tensor& out,
+void run_on_context(Context& ctx, CollectiveImpl impl, const at::Tensor& input, at::Tensor& out,
                     int64_t algo, bool average) {
   CollectiveGuard guard(ctx);
   check_collective_args(ctx, input, out, algo);
@@ -231,7 +225,7 @@ void run_on_context(Context& ctx, AllReduceImpl impl, const at::Tensor& input, a
 
 }  // namespace
 
-void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
+void run_collective(CollectiveImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
                     int64_t algo, bool average) {
   std::shared_ptr<Context> held = get_context(handle);  // outlives a concurrent close()
   run_on_context(*held, impl, input, out, algo, average);
@@ -239,11 +233,11 @@ void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input,
 
 namespace {
 // Filled by static initialisers (PYALLREDUCE_REGISTER_BACKEND) before any call.
-std::array<AllReduceImpl, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+std::array<CollectiveImpl, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
     eager_impls{};
 }  // namespace
 
-bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl) {
+bool register_eager_impl(c10::DeviceType type, CollectiveImpl impl) {
   eager_impls[static_cast<size_t>(type)] = impl;
   return true;
 }
@@ -292,7 +286,7 @@ bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handl
     return false;
   }
   std::shared_ptr<Context> held = get_context(handle);
-  AllReduceImpl impl = eager_impls[static_cast<size_t>(input.device().type())];
+  CollectiveImpl impl = eager_impls[static_cast<size_t>(input.device().type())];
   const bool segmented = algo == kReduceScatter || algo == kAllGather;
   if (impl == nullptr || input.numel() == 0 || (!segmented && out.sizes() != input.sizes()) ||
       !collective_args_problem(*held, input, out, algo).empty()) {

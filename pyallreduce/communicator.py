@@ -5,20 +5,19 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import _C, ops, policy  # noqa: F401  (ops: fake impls for torch.compile)
+from .protocol import REDUCED_DTYPES, host_id, is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
 from .transport import HostShmTransport
 
 logger = logging.getLogger("pyallreduce")
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch.distributed's default too
 DEFAULT_MAX_BYTES = 32 << 20
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS = ("auto", "cuda", "triton", "cpu")
 ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 # Programs per rank for the Triton kernels on CPU, where the interpreter runs
@@ -29,7 +28,6 @@ CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
 # comm.capture() can make at least half a block of captured calls zero copy.
 GRAPH_TABLE_BLOCK = 8192
 CAPTURE_ABORTED = "its capture raised"  # what a rank whose capture failed tells the others at exit
-HOSTNAME_ENV = "PYALLREDUCE_HOSTNAME"  # overrides the host identity (tests simulate several hosts)
 DEBUG_ENV = "PYALLREDUCE_DEBUG"
 
 # The overloads themselves: calling them skips torch.ops' overload resolution.
@@ -48,10 +46,6 @@ def log_once(message):
     if message not in _logged:
         _logged.add(message)
         logger.warning("pyallreduce: %s", message)
-
-
-def host_id():
-    return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
 
 
 _AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
@@ -118,6 +112,7 @@ class Communicator:
         self._transport = None
         self._handle = None
         self._closed = False
+        self._gpu = None  # the GPU whose blocks this communicator's kernels hold (policy.resident_nblocks)
         self.fallback_reason = self._unsupported_group_reason()
         if self.fallback_reason is None:
             self._transport = self._make_transport()
@@ -132,6 +127,7 @@ class Communicator:
                 if self._cuda_kernels:  # here, not at the first call, which may be inside a capture
                     _C.cuda_prepare(self._handle)
         else:
+            self._gpu = None  # no kernels
             log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
         _live.add(self)
 
@@ -190,8 +186,10 @@ class Communicator:
             kind = policy.device_kind(self.device)
         except RuntimeError as e:  # raised below on every rank, not here on this one alone
             kind_error = str(e)
-        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks, self._gpu_capacity(),
-                kind, kind_error)
+        gpu = self._gpu_capacity()
+        if gpu is not None:  # and the blocks that this rank's live communicators hold on that GPU
+            gpu = (*gpu, sum(c.nblocks for c in _live if c._gpu == gpu[0] and not c._closed))
+        mine = (host_id(), self.backend, self.device.type, self.max_bytes, self.nblocks, gpu, kind, kind_error)
         every = [None] * self.world_size
         dist.all_gather_object(every, mine, group=self.group)
         failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
@@ -211,6 +209,7 @@ class Communicator:
             self.nblocks, reason = policy.resident_nblocks(self.nblocks, gpus)
             if reason:
                 log_once(reason)
+            self._gpu = gpu[0]
         if self.world_size > _C.MAX_RANKS:
             return f"world size {self.world_size} exceeds {_C.MAX_RANKS}"
         if self.device.type == "cuda":
@@ -589,7 +588,7 @@ class Communicator:
             average = _AVERAGE[op]
         except (KeyError, TypeError):  # parse_op on the general path says what is wrong
             return None
-        if src.dtype not in SUPPORTED_DTYPES:
+        if src.dtype not in REDUCED_DTYPES:
             return None
         if algo == "auto":
             nbytes = src.nbytes
@@ -643,19 +642,20 @@ class Communicator:
         except KeyError:
             raise ValueError(f"pyallreduce: algo must be 'auto', 'one_shot' or 'two_shot', got {algo!r}") from None
 
-    def _reference_reason(self, tensor, algo):
+    def _reference_reason(self, dtype, nbytes, algo="auto"):
+        """Why an all-reduce of nbytes of dtype goes to torch.distributed, or
+        None (ddp.py asks the same for its buckets)."""
         if self.fallback_reason is not None:
             return self.fallback_reason
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            return f"dtype {tensor.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
-        if algo == "auto" and self.crossover.prefers_reference(tensor.numel() * tensor.element_size()):  # a named algo runs ours
-            return f"messages of {self.crossover.reference_min_bytes} bytes and more are faster with the reference"
-        return None
+        reason = not_reduced_reason(dtype)
+        if reason is None and algo == "auto" and self.crossover.prefers_reference(nbytes):  # a named algo runs ours
+            reason = f"messages of {self.crossover.reference_min_bytes} bytes and more are faster with the reference"
+        return reason
 
     def _reduce(self, src, dst, average, algo):
         """dst = reduce(src) across ranks; dst may be src."""
         nbytes = src.numel() * src.element_size()  # not .nbytes: works on symbolic shapes (torch.compile)
-        if (self._handle is not None and src.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes
+        if (self._handle is not None and src.dtype in REDUCED_DTYPES and 0 < nbytes <= self.max_bytes
                 and src.is_contiguous() and dst.is_contiguous() and not self.debug
                 and not (algo == "auto" and self.crossover.prefers_reference(nbytes))):
             # The common case, kept short: one call, no views.
@@ -663,7 +663,7 @@ class Communicator:
         self._algo_id(algo, 0)  # reject an unknown name even where the fallback runs
         if self.debug and not self._capturing:  # before any branch: every rank takes part
             self._check_fingerprint(src, average, algo)
-        reason = self._reference_reason(src, algo)
+        reason = self._reference_reason(src.dtype, src.numel() * src.element_size(), algo)
         if reason is not None:
             if not torch.compiler.is_compiling():
                 log_once(f"torch.distributed.all_reduce used: {reason}")
@@ -702,8 +702,8 @@ class Communicator:
         if self.debug and not self._capturing:
             self._check_fingerprint(src, average, "reduce_scatter" if scatters else "all_gather")
         reason = self.fallback_reason
-        if reason is None and scatters and src.dtype not in SUPPORTED_DTYPES:
-            reason = f"dtype {src.dtype} is not reduced by pyallreduce (float32, float16, bfloat16 are)"
+        if reason is None and scatters:
+            reason = not_reduced_reason(src.dtype)
         if reason is None and self.backend != "cpu" and self._piece_bytes(algo, segment.element_size()) == 0:
             reason = f"max_bytes={self.max_bytes} is too small for {self.world_size} segments"
         if reason is not None:
@@ -718,7 +718,7 @@ class Communicator:
         src_c = src if src.is_contiguous() else src.contiguous()
         dst_c = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         whole, part = (src_c, dst_c) if scatters else (dst_c, src_c)
-        if _overlaps(src_c, dst_c) and not _is_segment(part, whole, self.rank, self.world_size):
+        if overlaps(src_c, dst_c) and not is_own_segment(part, whole, self.rank):
             src_c = src_c.clone()
         self._run_scatter_or_gather(algo, src_c.view(-1), dst_c.view(-1), average)
         if dst_c is not dst:
@@ -799,7 +799,7 @@ class Communicator:
         else:  # protocol.h: W segments; "in place" is the one overlap the kernels allow
             whole, part = (src, dst) if algo == _C.REDUCE_SCATTER else (dst, src)
             nbytes = whole.numel() * whole.element_size()
-            in_place = _is_segment(part, whole, self.rank, self.world_size)
+            in_place = is_own_segment(part, whole, self.rank)
         if self.backend == "triton":
             from . import triton_kernels
 
@@ -896,31 +896,6 @@ def _eager(tensor):
     which trace the op. The C++ side (try_collective_eager) declines under
     dispatch modes, torch function modes, the JIT tracer and functorch wrappers."""
     return not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
-
-
-def _overlaps(a, b):
-    """Whether the memory of a and b may overlap (same storage, intersecting byte ranges)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def partial_overlap_problem(src, dst):
-    """The error for an all-reduce whose out overlaps its input without being
-    the same memory, or None (the Python twin of csrc/module.cpp's rule): the
-    kernels and the rounds read input that out has already overwritten."""
-    same = src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride()
-    if not same and _overlaps(src, dst):
-        return "pyallreduce: out overlaps the input; pass the same tensor (all_reduce_) or a separate one"
-    return None
-
-
-def _is_segment(part, whole, rank, world_size):
-    """Whether `part` is exactly segment `rank` of `whole` (protocol.h's allowed overlap)."""
-    nbytes = part.numel() * part.element_size()
-    return (nbytes > 0 and whole.numel() * whole.element_size() == world_size * nbytes and part.is_contiguous()
-            and whole.is_contiguous() and part.data_ptr() == whole.data_ptr() + rank * nbytes)
 
 
 def _data(tensor):

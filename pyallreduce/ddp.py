@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .communicator import SUPPORTED_DTYPES, Communicator, host_id, log_once
+from .communicator import Communicator, log_once
+from .protocol import host_id
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,8 +57,9 @@ class Hierarchy:
     (c) every rank zeroes all but its own shard and all-reduces the bucket inside the host
         again, which gathers the shards.
 
-    A true reduce-scatter and all-gather would move 1/local_size of the bucket in (a) and
-    (c); the Communicator only has all-reduce, so both move the whole bucket. (c) is still
+    A reduce-scatter and an all-gather would move 1/local_size of the bucket in (a) and
+    (c); both use all-reduce here (written before the Communicator had the other two
+    collectives), so both move the whole bucket. (c) is still
     exact: every element is its owner's value plus zeros, and x + 0 == x in any order and
     precision. Only (b) crosses hosts, with 1/local_size of the bucket per rank, which is the
     point of the hierarchy.
@@ -194,13 +196,7 @@ class HookState:
         Every input is the same on every rank, so every rank makes the same choice."""
         if self._always_reference is not None:
             return self._always_reference
-        if self.comm.fallback_reason is not None:
-            return self.comm.fallback_reason
-        if dtype not in SUPPORTED_DTYPES:
-            return f"dtype {dtype} is not reduced by pyallreduce"
-        if self.comm.crossover.prefers_reference(nbytes):
-            return f"buckets of {self.comm.crossover.reference_min_bytes} bytes and more are faster with the reference"
-        return None
+        return self.comm._reference_reason(dtype, nbytes)
 
     def all_reduce(self, buffer, index):
         self._follow_rebuild()  # first: also when every rebuilt bucket goes to the reference

@@ -72,30 +72,48 @@ def lookup(kind, world_size, path=CROSSOVERS_FILE):
 def resident_nblocks(nblocks, devices):
     """The grid size every rank launches: the requested nblocks, made small
     enough that the blocks of all ranks sharing a GPU (MPS, or several
-    processes per GPU) are resident at once.
+    processes per GPU), together with the blocks of their other live
+    communicators on that GPU, are resident at once.
 
     Block b of each rank spins at the barriers until block b of every peer
-    arrives; when the spinning blocks of some ranks fill a GPU's SMs, the
-    blocks of another rank on that GPU never start, and the call hangs until
-    its deadline. So for every GPU, nblocks x (ranks on it) must not exceed
-    the blocks it holds at once (the kernels' occupancy x SMs).
+    arrives; when spinning blocks fill a GPU's SMs, the blocks of another rank
+    on that GPU never start, and the call hangs until its deadline. The same
+    happens across communicators: the backend's and the DDP hook's, or a
+    tensor-parallel and a data-parallel group, whose kernels rank 0 launches
+    in one order and rank 1 in the other, each waiting for peers whose blocks
+    the other communicator's occupy. So for every GPU, the blocks of every
+    live communicator of its ranks must fit at once: nblocks x (ranks on it)
+    + (blocks already held there) <= the blocks it holds at once (the
+    kernels' occupancy x SMs). Kernels of other libraries (NCCL's) and
+    communicators of processes outside this group cannot be counted; see
+    README.
 
-    devices: per rank, (GPU identity, blocks that GPU holds at once), the
-    same list on every rank (gathered), so every rank gets the same answer.
+    devices: per rank, (GPU identity, blocks that GPU holds at once, blocks
+    this rank's other live communicators hold on it), the same list on every
+    rank (gathered), so every rank gets the same answer.
     Returns (nblocks, reason or None when nothing was reduced). Raises when
     even one block per rank does not fit.
     """
-    ranks_on, capacity = {}, {}
-    for key, blocks in devices:
+    ranks_on, capacity, held = {}, {}, {}
+    for key, blocks, already in devices:
         ranks_on[key] = ranks_on.get(key, 0) + 1
         capacity[key] = blocks
-    bound = min(capacity[key] // ranks_on[key] for key in ranks_on)
+        held[key] = held.get(key, 0) + already
+    free = {key: capacity[key] - held[key] for key in ranks_on}
+    bound = min(free[key] // ranks_on[key] for key in ranks_on)
     if bound < 1:
-        worst = min(sorted(ranks_on), key=lambda k: capacity[k] // ranks_on[k])
+        worst = min(sorted(ranks_on), key=lambda k: free[k] // ranks_on[k])
+        others = (f", of which other live communicators of these ranks hold {held[worst]} (close some)"
+                  if held[worst] else "")
         raise ValueError(f"pyallreduce: {ranks_on[worst]} ranks share GPU {worst}, which holds only "
-                         f"{capacity[worst]} blocks of the all-reduce kernels at once: use fewer ranks per GPU")
+                         f"{capacity[worst]} blocks of the all-reduce kernels at once{others}: use fewer ranks "
+                         "per GPU")
     if nblocks <= bound:
         return nblocks, None
     shared = {k: n for k, n in sorted(ranks_on.items()) if n > 1}
-    return bound, (f"nblocks {nblocks} -> {bound}: ranks share GPUs ({shared} ranks per GPU), and every "
-                   f"rank's blocks must be resident at once")
+    busy = {k: n for k, n in sorted(held.items()) if n > 0}
+    why = [f"ranks share GPUs ({shared} ranks per GPU)"] if shared else []
+    why += [f"other live communicators hold blocks there ({busy})"] if busy else []
+    why = why or [f"a GPU holds only {bound} blocks of these kernels at once"]
+    return bound, (f"nblocks {nblocks} -> {bound}: {' and '.join(why)}, and every rank's blocks of every "
+                   "live communicator must be resident at once")

@@ -114,7 +114,7 @@ def test_errors_raise_from_wait(tmp_path):
 
 
 def _two_hosts(rank, world_size, store_file):
-    from pyallreduce.communicator import HOSTNAME_ENV
+    from pyallreduce.protocol import HOSTNAME_ENV
 
     os.environ[HOSTNAME_ENV] = f"host{rank}"  # a group the Communicator cannot serve
     impl = reinit("pyallreduce", store_file)

@@ -10,11 +10,11 @@ H100 = 132  # SMs; the kernels (512 threads, __launch_bounds__(512, 1)) fit one 
 
 
 def test_one_rank_per_gpu_keeps_the_requested_grid():
-    assert resident_nblocks(32, [(f"gpu{q}", H100) for q in range(8)]) == (32, None)
+    assert resident_nblocks(32, [(f"gpu{q}", H100, 0) for q in range(8)]) == (32, None)
 
 
 def test_eight_ranks_on_one_gpu_fit_together():
-    nblocks, reason = resident_nblocks(32, [("gpu0", H100)] * 8)
+    nblocks, reason = resident_nblocks(32, [("gpu0", H100, 0)] * 8)
     assert nblocks == H100 // 8 == 16
     assert nblocks * 8 <= H100
     assert "nblocks 32 -> 16" in reason and "'gpu0': 8" in reason
@@ -22,22 +22,45 @@ def test_eight_ranks_on_one_gpu_fit_together():
 
 def test_the_most_crowded_gpu_decides_for_every_rank():
     # 3 ranks on gpu0, 1 on gpu1: gpu0 holds 132 // 3 = 44 per rank.
-    devices = [("gpu0", H100), ("gpu0", H100), ("gpu1", H100), ("gpu0", H100)]
+    devices = [("gpu0", H100, 0), ("gpu0", H100, 0), ("gpu1", H100, 0), ("gpu0", H100, 0)]
     assert resident_nblocks(64, devices)[0] == 44
     assert resident_nblocks(40, devices) == (40, None)
     # A smaller GPU with two ranks decides over a bigger one with three.
-    assert resident_nblocks(64, [("a", 30), ("a", 30), ("b", H100), ("b", H100), ("b", H100)])[0] == 15
+    assert resident_nblocks(64, [("a", 30, 0), ("a", 30, 0), ("b", H100, 0), ("b", H100, 0), ("b", H100, 0)])[0] == 15
 
 
 def test_every_rank_gets_the_same_answer_whatever_its_position():
-    devices = [("gpu0", H100)] * 5 + [("gpu1", 60)] * 3
+    devices = [("gpu0", H100, 0)] * 5 + [("gpu1", 60, 0)] * 3
     answers = {resident_nblocks(32, devices[q:] + devices[:q]) for q in range(len(devices))}
     assert len(answers) == 1 and next(iter(answers))[0] == 20
 
 
 def test_a_gpu_too_small_for_one_block_per_rank_is_an_error():
     with pytest.raises(ValueError, match="4 ranks share GPU gpu0, which holds only 3 blocks"):
-        resident_nblocks(8, [("gpu0", 3)] * 4)
+        resident_nblocks(8, [("gpu0", 3, 0)] * 4)
+
+
+def test_blocks_of_other_live_communicators_count_on_their_gpu():
+    # 2 ranks per GPU; on gpu0 both ranks' DDP-hook communicators hold 32 blocks each.
+    devices = [("gpu0", H100, 32), ("gpu0", H100, 32), ("gpu1", H100, 0), ("gpu1", H100, 0)]
+    nblocks, reason = resident_nblocks(64, devices)
+    assert nblocks == (H100 - 64) // 2 == 34
+    assert "other live communicators hold blocks there ({'gpu0': 64})" in reason, reason
+    assert resident_nblocks(34, devices) == (34, None)
+    # One rank per GPU, each GPU nearly full of another communicator's blocks.
+    assert resident_nblocks(32, [(f"gpu{q}", H100, 120) for q in range(4)])[0] == 12
+
+
+def test_a_gpu_full_of_other_communicators_blocks_is_an_error_that_says_to_close_some():
+    with pytest.raises(ValueError, match=r"2 ranks share GPU gpu0, which holds only 132 blocks .* at once, of "
+                                         r"which other live communicators of these ranks hold 131 \(close some\)"):
+        resident_nblocks(8, [("gpu0", H100, 66), ("gpu0", H100, 65)])
+
+
+def test_a_smaller_gpu_than_the_grid_explains_the_cut():
+    assert resident_nblocks(64, [("gpu0", 60, 0), ("gpu1", 60, 0)]) == \
+        (60, "nblocks 64 -> 60: a GPU holds only 60 blocks of these kernels at once, and every rank's blocks of "
+             "every live communicator must be resident at once")
 
 
 def _shared_gpu_rank(rank, world, capacity):
@@ -64,6 +87,54 @@ def test_ranks_sharing_a_gpu_launch_the_bounded_grid_on_every_rank():
     for nblocks, logged in results:
         assert nblocks == 2  # 5 resident blocks, 2 ranks on the GPU
         assert any("nblocks 4 -> 2" in line for line in logged)
+
+
+def _communicators_sharing_a_gpu_rank(rank, world):
+    import torch
+
+    import pyallreduce
+    from pyallreduce import communicator
+
+    # Both ranks on one GPU that holds 10 blocks at once (no GPU here: the facts are given).
+    communicator.Communicator._gpu_capacity = lambda self: ("gpu0", 10)
+    logged = []
+    communicator.log_once = logged.append
+
+    def make():
+        return pyallreduce.Communicator(device="cpu", backend="triton", nblocks=4, max_bytes=64 << 10)
+
+    def exact(comm):
+        x = torch.arange(300, dtype=torch.float32) + rank
+        return torch.equal(comm.all_reduce(x), sum(torch.arange(300, dtype=torch.float32) + q for q in range(world)))
+
+    grids = []
+    a = make()  # 2 x 4 of 10
+    b = make()  # 2 x 4 held by a: 1 each
+    grids += [a.nblocks, b.nblocks]
+    assert exact(a) and exact(b)
+    a.close()
+    c = make()  # b holds 2 x 1: 4 each again
+    grids.append(c.nblocks)
+    assert exact(c)
+    d_error = None
+    try:
+        make()  # b and c hold 2 x 5 of 10: not one block left
+    except ValueError as e:
+        d_error = str(e)
+    b.close()
+    c.close()
+    return grids, d_error, logged
+
+
+def test_blocks_of_live_communicators_bound_the_next_ones_grid_and_closing_frees_them():
+    from launch import run_ranks
+
+    results = run_ranks(_communicators_sharing_a_gpu_rank, 2, env={"TRITON_INTERPRET": "1"}, timeout=180)
+    for grids, d_error, logged in results:
+        assert grids == [4, 1, 4]
+        assert any("nblocks 4 -> 1" in line and "other live communicators hold blocks there ({'gpu0': 8})" in line
+                   for line in logged), logged
+        assert d_error is not None and "other live communicators of these ranks hold 10 (close some)" in d_error
 
 
 def test_crossover_rows_fall_back_from_kind_to_family_to_defaults(tmp_path):

@@ -10,7 +10,7 @@ signal.py).
 import torch
 
 from pyallreduce import _C
-from pyallreduce.communicator import partial_overlap_problem
+from pyallreduce.protocol import REDUCED_DTYPES, is_own_segment, overlaps, partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
 
@@ -24,7 +24,6 @@ class CallMismatch(RuntimeError):
 
 
 _LAUNCHERS = {_C.ONE_SHOT: one_shot.launch, _C.TWO_SHOT: two_shot.launch}
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (regions, device) -> (int64 tensor of the region bases, the int32 status
 # record, a numpy view of it), so a call costs one launch and one read of the
 # record's code. On a GPU the record lives in pinned host memory (signal.py
@@ -70,9 +69,14 @@ def _check_group(regions, rank, world_size, nblocks, device):
                            f"{device})")
 
 
+def _check_reduced(dtype):
+    """As csrc/module.cpp's collective_args_problem says it."""
+    if dtype not in REDUCED_DTYPES:
+        raise TypeError(f"pyallreduce: dtype {dtype} is not supported (float32, float16, bfloat16)")
+
+
 def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):
-    if input.dtype not in _DTYPES:
-        raise TypeError(f"pyallreduce: dtype {input.dtype} is not supported (float32, float16, bfloat16)")
+    _check_reduced(input.dtype)
     if out.dtype != input.dtype or out.numel() != input.numel() or out.device != input.device:
         raise ValueError("pyallreduce: out must have the input's dtype, numel and device")
     if not (input.is_contiguous() and out.is_contiguous()):
@@ -96,8 +100,8 @@ def _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, s
     name, whole_name, segment_name = ("reduce_scatter", "input", "out") if scatters else ("all_gather", "out", "input")
     segment, whole = (out, input) if scatters else (input, out)
     _check_group(regions, rank, world_size, nblocks, input.device)
-    if scatters and input.dtype not in _DTYPES:
-        raise TypeError(f"pyallreduce: dtype {input.dtype} is not supported (float32, float16, bfloat16)")
+    if scatters:
+        _check_reduced(input.dtype)
     if out.dtype != input.dtype or out.device != input.device:
         raise ValueError(f"pyallreduce: {name} needs input and out of one dtype and device")
     if whole.numel() != world_size * segment.numel():
@@ -118,10 +122,8 @@ def _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, s
     elif segment.nbytes > max_bytes:
         raise ValueError(f"pyallreduce: all_gather of {segment.nbytes} bytes per rank exceeds the staging buffer "
                          f"(max_bytes={max_bytes}); the caller chunks")
-    in_place = segment.numel() > 0 and segment.data_ptr() == whole.data_ptr() + rank * segment.nbytes
-    start, other = input.data_ptr(), out.data_ptr()
-    overlap = input.numel() > 0 and out.numel() > 0 and start < other + out.nbytes and other < start + input.nbytes
-    if overlap and not in_place:
+    in_place = is_own_segment(segment, whole, rank)
+    if overlaps(input, out) and not in_place:
         raise ValueError(f"pyallreduce: the input and out of {name} overlap; pass separate tensors, or as "
                          f"{segment_name} exactly this rank's segment of {whole_name} ({whole_name}[{rank} * n:"
                          f"{rank + 1} * n], n = {segment.numel()})")

@@ -19,7 +19,7 @@ void check_collective_args(const Context& ctx, const at::Tensor& input, const at
 
 // Backends register one implementation; every op entry point shares it (algo:
 // kOneShot, kTwoShot, kReduceScatter, kAllGather).
-using AllReduceImpl = void (*)(Context& ctx, const at::Tensor& input, at::Tensor& out,
+using CollectiveImpl = void (*)(Context& ctx, const at::Tensor& input, at::Tensor& out,
                                int64_t algo, bool average);
 
 }  // namespace pyallreduce
@@ -28,12 +28,12 @@ namespace pyallreduce {
 
 // Runs one collective: guards the context, checks the arguments, and marks the
 // context broken if the implementation fails after it started signalling.
-void run_collective(AllReduceImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
+void run_collective(CollectiveImpl impl, int64_t handle, const at::Tensor& input, at::Tensor& out,
                     int64_t algo, bool average);
 
 // The same Impls by device type, for the eager entry point that skips the
 // dispatcher (pyallreduce._C.try_collective_eager; see csrc/module.cpp).
-bool register_eager_impl(c10::DeviceType type, AllReduceImpl impl);
+bool register_eager_impl(c10::DeviceType type, CollectiveImpl impl);
 
 // A backend's agreement round (protocol.h, kAgreeOnly): publishes `desc` (its
 // epoch is filled in), meets the peers at the start barrier and throws
@@ -47,7 +47,7 @@ bool register_agree_impl(c10::DeviceType type, AgreeImpl impl);
 inline uint32_t dtype_code(at::ScalarType t) { return static_cast<uint32_t>(t); }
 
 // The op entry points (schemas in csrc/module.cpp) over one backend's Impl.
-template <AllReduceImpl Impl>
+template <CollectiveImpl Impl>
 struct OpEntryPoints {
   static at::Tensor all_reduce(const at::Tensor& input, int64_t handle, int64_t algo, bool average) {
     at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);

@@ -158,6 +158,18 @@ inline constexpr int64_t segment_stride(int64_t segment_bytes) {
   return (segment_bytes + kSegmentUnit - 1) / kSegmentUnit * kSegmentUnit;
 }
 
+// Whether a call is in place (the descriptor's in-place bit): all-reduce's out
+// is its input; reduce-scatter's out is exactly segment `rank` of its input,
+// all-gather's input exactly segment `rank` of its out (the aliasing above).
+// segment_bytes: S for reduce-scatter and all-gather. The one place for this
+// rule in C++ (module.cpp's argument check, call_plan.h, the host backend).
+inline bool collective_in_place(uintptr_t in, uintptr_t out, int64_t segment_bytes, int rank, int64_t algo) {
+  const uintptr_t own_segment = uintptr_t(rank) * uintptr_t(segment_bytes);
+  if (algo == kReduceScatter) return segment_bytes > 0 && out == in + own_segment;
+  if (algo == kAllGather) return segment_bytes > 0 && in == out + own_segment;
+  return in == out;
+}
+
 // A call that moves no data through the kernels: the agreement round a rank
 // runs before a call it sends to torch.distributed (kModeFallback), so that a
 // fallback call facing a kernel call on another rank raises on both instead

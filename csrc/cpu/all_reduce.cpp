@@ -593,12 +593,9 @@ void host_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   const auto* src = static_cast<const char*>(input.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
   const bool scatters = algo == kReduceScatter, gathers = algo == kAllGather;
-  // protocol.h: reduce-scatter's out and all-gather's input may be this rank's
-  // segment of the other tensor; all-reduce's may be the input itself.
   const int64_t segment = scatters ? out.nbytes() : input.nbytes();
-  const bool in_place = scatters   ? src + ctx.rank * segment == dst
-                        : gathers ? dst + ctx.rank * segment == src
-                                  : src == dst;
+  const bool in_place = collective_in_place(reinterpret_cast<uintptr_t>(src), reinterpret_cast<uintptr_t>(dst),
+                                            segment, ctx.rank, algo);
   const int64_t bytes = scatters || gathers ? ctx.world_size * segment : segment;
   const uint32_t kind = desc_kind(dtype_code(input.scalar_type()), algo, kModeStaged, average, in_place) |
                         (ctx.contended_calls > 0 ? kDescContended : 0u);

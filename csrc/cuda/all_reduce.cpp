@@ -94,6 +94,10 @@ struct GraphTable {
   // during a capture). An entry that stayed staged lets its input go at the
   // next capture (peers never mapped it).
   std::vector<at::Tensor> kept;
+  // Inputs of entries made zero copy and then staged again (graph_reset_entries):
+  // the peers mapped them when comm.capture() shared them, so they too stay
+  // until close().
+  std::vector<at::Tensor> retired;
   bool open = false;                // inside comm.capture()
   std::vector<CapturedCall> captured;
   int64_t calls_without_entry = 0;  // eligible, but the block was full
@@ -486,6 +490,7 @@ void graph_reset_entries(int64_t handle, const std::vector<int64_t>& slots) {
   for (int64_t slot : slots) {
     if (slot < 0 || slot >= graph.next_slot) continue;
     graph.host_entry(slot) = cuda::GraphEntry{};
+    if (graph.kept[slot].defined()) graph.retired.push_back(std::move(graph.kept[slot]));
     graph.kept[slot] = at::Tensor();
     valid.push_back(slot);
   }
@@ -558,6 +563,7 @@ std::vector<at::Tensor> clear_cuda_buffers(int64_t handle) {
     for (at::Tensor& t : it->second.graph.kept) {
       if (t.defined()) kept.push_back(std::move(t));
     }
+    for (at::Tensor& t : it->second.graph.retired) kept.push_back(std::move(t));
     erase_buffers(it);
   }
   std::lock_guard<std::mutex> status_lock(status_mutex);
@@ -653,7 +659,7 @@ bool launch_all_reduce_call(Context& ctx, StatusRecord& rec, cudaStream_t stream
 
 }  // namespace
 
-void cuda_all_reduce(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
+void cuda_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo,
                      bool average) {
   const int64_t bytes = static_cast<int64_t>(input.nbytes());
   if (bytes == 0) return;  // same size on every rank: nobody signals, epochs stay in step
@@ -740,6 +746,6 @@ int64_t cuda_resident_blocks(int64_t device, int64_t world_size) {
 
 }  // namespace pyallreduce
 
-PYALLREDUCE_REGISTER_BACKEND(CUDA, ::pyallreduce::cuda_all_reduce)
+PYALLREDUCE_REGISTER_BACKEND(CUDA, ::pyallreduce::cuda_collective)
 static const bool pyallreduce_agree_cuda =
     ::pyallreduce::register_agree_impl(c10::DeviceType::CUDA, &::pyallreduce::cuda_agree);

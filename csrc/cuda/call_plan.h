@@ -60,8 +60,7 @@ inline CallPlan plan_call(uintptr_t in, uintptr_t out, int64_t bytes, int64_t al
 // input, all-gather's input segment `rank` of its out.
 inline CallPlan plan_segment_call(uintptr_t in, uintptr_t out, int64_t segment_bytes, int rank, int64_t algo) {
   CallPlan p;
-  const uintptr_t own_segment = uintptr_t(rank) * uintptr_t(segment_bytes);
-  p.in_place = algo == kReduceScatter ? out == in + own_segment : in == out + own_segment;
+  p.in_place = collective_in_place(in, out, segment_bytes, rank, algo);
   return p;
 }
 

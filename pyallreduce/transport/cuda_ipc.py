@@ -8,12 +8,12 @@ import contextlib
 import ctypes
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..protocol import host_id
 
 
 logger = logging.getLogger("pyallreduce")
@@ -157,7 +157,7 @@ class CudaIpcTransport:
                 handle = _C.cuda_ipc_handle(self.device.index, self._own)
             except RuntimeError as e:
                 error = str(e)
-            peers = gather((socket.gethostname(), os.getpid(), handle, error), group)
+            peers = gather((host_id(), os.getpid(), handle, error), group)
             _agree_all([e for _, _, _, e in peers], "allocating and exporting the regions", RuntimeError)
             hosts = sorted({host for host, _, _, _ in peers})
             if len(hosts) != 1:
@@ -512,7 +512,7 @@ def check_topology(group=None, device=None):
     except RuntimeError as e:
         bus, error = None, str(e)
 
-    facts = gather((socket.gethostname(), bus), group)
+    facts = gather((host_id(), bus), group)
     hosts = sorted({h for h, _ in facts})
     if world > _C.MAX_RANKS:
         result = (False, f"world size {world} exceeds {_C.MAX_RANKS}")
