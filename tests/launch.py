@@ -17,6 +17,7 @@ named semaphores live in /dev/shm and stay there when the test process is
 killed outright (a CI timeout kills the whole process group).
 """
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import pickle
 import socket
@@ -64,6 +65,28 @@ class RankFailure(AssertionError):
     pass
 
 
+def _forkserver():
+    """The forkserver context, its server started with rank_preload imported.
+    Python 3.11's forkserver drops the sys.path it is given (forkserver.main
+    ignores sys_path), and ignores a preload it cannot import: started from
+    the repository root, as pytest runs, it found no rank_preload and every
+    rank imported torch itself. So the server starts with this folder on
+    PYTHONPATH (its environment only: a rank's is the caller's, _rank_main)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["rank_preload"])
+    saved = os.environ.get("PYTHONPATH")
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = here + (os.pathsep + saved if saved else "")
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
 def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_exit=None):
     """Runs fn on every rank; see the module docstring.
 
@@ -71,8 +94,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
     expect_exit: {rank: exitcode} for ranks a test kills on purpose; those
     ranks report no result and their exit code must match.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rank_preload"])
+    ctx = _forkserver()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (read end, write end) per rank
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -118,13 +118,24 @@ def average_and_random(rank, world):
     return torch.cat([r.float() for r in results])
 
 
+BEST_ISA_ENV = "PYALLREDUCE_TEST_BEST_CPU_ISA"
+
+
 def cpu_isas():
-    """The ISA levels of the reduction kernels this CPU can run (PYALLREDUCE_CPU_ISA)."""
+    """The ISA levels of the reduction kernels this CPU can run (PYALLREDUCE_CPU_ISA).
+    The best is asked of a fresh process (this one's _C may have been loaded
+    with PYALLREDUCE_CPU_ISA set), once: the answer stays in the environment,
+    which the ranks inherit. (Every rank imports this module again; asking in
+    each cost 2 s of CPU per rank.)"""
+    import os
     import subprocess
     import sys
 
-    best = subprocess.run([sys.executable, "-c", "import pyallreduce._C as C; print(C.cpu_isa())"],
-                          capture_output=True, text=True, check=True, env=clean_isa_env()).stdout.strip()
+    best = os.environ.get(BEST_ISA_ENV)
+    if best is None:
+        best = subprocess.run([sys.executable, "-c", "import pyallreduce._C as C; print(C.cpu_isa())"],
+                              capture_output=True, text=True, check=True, env=clean_isa_env()).stdout.strip()
+        os.environ[BEST_ISA_ENV] = best
     levels = ["generic", "avx2", "avx512"]
     return levels[:levels.index(best) + 1]
 
