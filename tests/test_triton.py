@@ -14,7 +14,7 @@ all-reduce, exact byte copies of any dtype, both in-place forms, mixed with
 all-reduces on one set of regions; refused arguments; mismatched calls.
 
 The interpreter runs each program as Python, so sizes are small and programs
-few; the whole file takes 4 to 8 minutes on 2 busy cores.
+few; the whole file takes 2 to 3 minutes on 2 cores.
 """
 import ctypes
 import hashlib

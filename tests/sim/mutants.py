@@ -153,9 +153,10 @@ MUTANTS = [
      "  a.desc_algo = call.algo == kAgreeOnly ? int(call.agree_algo) : a.algo;",
      "  a.desc_algo = a.algo;",
      "plain", ["--suite", "quick", "--only", "mismatch"]),
-    ("alias of reduce-scatter/all-gather not published (in-place bit 0)", PLAN,
-     "  p.in_place = algo == kReduceScatter ? out == in + own_segment : in == out + own_segment;",
-     "  p.in_place = false;",
+    ("alias of reduce-scatter/all-gather not published (in-place bit 0)", PROTOCOL,
+     "  if (algo == kReduceScatter) return segment_bytes > 0 && out == in + own_segment;\n"
+     "  if (algo == kAllGather) return segment_bytes > 0 && in == out + own_segment;",
+     "  if (algo == kReduceScatter || algo == kAllGather) return false;",
      "plain", ["--suite", "quick", "--only", "mismatch"]),
 ]
 
