@@ -148,9 +148,11 @@ def test_ptx_has_intended_instructions(build, kernel):
     assert "%globaltimer" in body, "spin loops must read %globaltimer for their deadline"
     assert "trap;" not in body, "no trap: a trap leaves the process's CUDA context unusable"
     assert "vprintf" not in body, "no printf: failures go to the status record"
-    # The status record: the first failing block claims it with a CAS, then
-    # publishes the code with a system-scope release (the host polls it).
-    assert re.search(r"atom\.global\.cas\.b32", body), "the status record must be claimed with atomicCAS"
+    # The status record: the first failing block claims it with an atomicMax on
+    # a word in device memory (no atomic on mapped host memory: kernel_api.h),
+    # then publishes the code with a system-scope release (the host polls it).
+    assert re.search(r"atom\.global\.max\.u32", body), "the status record must be claimed with atomicMax"
+    assert not re.search(r"atom\.global\.cas", body), "no CAS: the claim is an atomicMax on a device word"
     # Bitwise agreement with the CPU and Triton backends: adds only (no FMA
     # contraction) and "avg" as an IEEE division, not a reciprocal multiply.
     assert not re.search(r"\bfma\.", body), "fused multiply-add found (build with -fmad=false)"

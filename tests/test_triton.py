@@ -802,7 +802,7 @@ def mismatches_counted_until_the_host_looks(rank, world):
     from pyallreduce import _C
     from pyallreduce import triton_kernels as tk
     from pyallreduce.transport import HostShmTransport
-    from pyallreduce.triton_kernels import one_shot
+    from pyallreduce.triton_kernels import one_shot, signal
 
     f32, nblocks, n = torch.float32, 2, 1000
     t = HostShmTransport(dist.group.WORLD, MAX_BYTES)
@@ -827,7 +827,8 @@ def mismatches_counted_until_the_host_looks(rank, world):
         descs = [(4 * (n + (q == world - 1)), 1, kind) for q in range(world)]
         want = _C.mismatch_message(1, 1, descs, 2, 3)
         assert str(raised.value) == want, f"{raised.value}\n--- expected:\n{want}"
-        assert not bool(status.any()), "the record was not cleared once raised"
+        assert int(status[signal.STATUS_CODE.value]) == 0 and int(status[signal.STATUS_MISMATCHES.value]) == 0 \
+            and int(status[signal.STATUS_GENERATION.value]) == 2, "the record was not cleared once raised"
         x = exact_input(n, rank, f32, salt=4)  # the communicator is still usable
         tk.all_reduce(x, x, t.regions, rank, world, MAX_BYTES, nblocks, _C.TWO_SHOT, False, TIMEOUT_S, call=4)
         assert torch.equal(x, exact_sum(n, world, f32, salt=4)), "the call after the mismatches is not exact"
@@ -854,6 +855,7 @@ def deadline_at_every_round_of_a_wait(rank, world):
     import triton.language as tl
     from triton_wait_kernel import wait_kernel
 
+    from pyallreduce import triton_kernels as tk
     from pyallreduce.triton_kernels import signal
 
     start, timeout = 10**12, 1000
@@ -878,8 +880,9 @@ def deadline_at_every_round_of_a_wait(rank, world):
                 signal.clock_ns = lambda: tl.full((), start, tl.int64)
                 signal.lane_clock_ns = lane_clock
                 status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32)
+                tk._new_generation(status, 1)  # as prepare() makes it
                 out = torch.full((1,), -1, dtype=torch.int32)
-                regions = torch.tensor([flags.data_ptr()], dtype=torch.int64)
+                regions = torch.tensor([flags.data_ptr(), 0, 0], dtype=torch.int64)  # own, (peer), claim word
                 wait_kernel[(1,)](regions, status, out, timeout, WORLD_SIZE=2)
                 seen = None if arrive is None else arrive + 1  # the first round whose load sees the peer
                 arrived = seen is not None and seen <= late

@@ -30,7 +30,9 @@ _LAUNCHERS = {_C.ONE_SHOT: one_shot.launch, _C.TWO_SHOT: two_shot.launch}
 # explains why). Made by prepare() when a communicator is created (never inside
 # a CUDA graph capture, where pinned allocation and the copy to the device are
 # not permitted) and dropped by release() when it closes, after its kernels
-# finished: a kernel may still write the record until then.
+# finished: a kernel may still write the record until then. The region table
+# has one slot more: the record's claim word (signal.claim_word), so that it
+# is device memory on a GPU.
 _device_args = {}
 
 
@@ -43,8 +45,19 @@ def prepare(regions, device):
                                "capture, which does not permit allocating its status record; create the "
                                "Communicator (or make one call) before capturing")
         status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
-        _device_args[key] = (torch.tensor(key[0], dtype=torch.int64, device=key[1]), status, status.numpy())
+        _new_generation(status, 1)
+        table = torch.tensor([*key[0], 0], dtype=torch.int64, device=key[1])  # + the claim word, 0
+        if key[1].type == "cuda":  # copied before any kernel, on whatever stream, can use it
+            torch.cuda.current_stream(key[1]).synchronize()
+        _device_args[key] = (table, status, status.numpy())
     return _device_args[key]
+
+
+def _new_generation(status, generation):
+    """Clears the status record for its next generation (signal.py: a failing
+    program claims the record when the claim word is below it)."""
+    status.zero_()
+    status[signal.STATUS_GENERATION.value] = generation
 
 
 def release(regions, device):
@@ -266,7 +279,7 @@ def _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatc
     failed_call = longs[signal.STATUS_CALL64.value]
     if code == signal.CODE_MISMATCH.value:
         if not capturing:
-            status.zero_()
+            _new_generation(status, words[signal.STATUS_GENERATION.value] + 1)
         words64 = longs[signal.STATUS_DESCS64.value:]
         # (bytes, epoch, kind) per rank, from CallDesc's words: bytes, epoch | kind << 32.
         descs = [(words64[2 * q], words64[2 * q + 1] & 0xFFFFFFFF, words64[2 * q + 1] >> 32) for q in range(world_size)]

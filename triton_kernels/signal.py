@@ -26,8 +26,12 @@ Deadline clock:
 When a call cannot complete (a deadline passed, or the ranks' descriptors
 differ) a program fills in the status record and returns; it never traps, so
 the process's CUDA context stays usable (issue 13 item 5). The record
-(STATUS_* below) is one per communicator, first writer wins (a claim word
-turned 0 -> 1), with the code written last:
+(STATUS_* below) is one per communicator, first writer wins, with the code
+written last. The claim is an atomic max of the record's generation on a word
+in device memory (claim_word: the slot after the region table), won when the
+word was below it; the host advances the generation whenever it clears the
+record, so the word never needs resetting, and no atomic touches the mapped
+host memory (that would need the platform's PCIe atomics):
   interpreter  a CPU tensor. The launcher reads it right after the launch,
                which has finished by then: a mismatch raises CallMismatch from
                the call itself, on every rank, and the communicator stays usable.
@@ -38,7 +42,7 @@ turned 0 -> 1), with the code written last:
                check.) The code is stored with st.release.sys after a CTA
                barrier, and the host reads a nonzero code again with an
                acquire load (pyallreduce._C.load_acquire_u32) before the
-               fields. The claim is a device-scope CAS: only this process's
+               fields. The claim is device scope: only this process's
                kernels write its record. The launcher checks the record before
                every launch (a deadline: launch nothing) and after it; an
                agreement round synchronises its stream first. A mismatch of a
@@ -98,7 +102,7 @@ BARRIER_NAMES = {1: "start", 2: "mid"}
 # The status record, int32 words (see the module docstring). constexpr for the
 # kernels; the host reads .value.
 STATUS_CODE = tl.constexpr(0)      # CODE_*; written last
-STATUS_CLAIMED = tl.constexpr(1)   # 0 -> 1 by the first failing program
+STATUS_GENERATION = tl.constexpr(1)  # from 1, advanced by the host each time it clears the record
 STATUS_BARRIER = tl.constexpr(2)   # deadline: START_BARRIER or MID_BARRIER
 STATUS_PROGRAM = tl.constexpr(3)
 STATUS_EPOCH = tl.constexpr(4)     # e of the failed call
@@ -197,16 +201,24 @@ def signal_peers(regions_ptr, flags_offset: tl.constexpr, pid, rank, e, WORLD_SI
 
 
 @triton.jit
-def record_failure(status_ptr, code: tl.constexpr, barrier_id, pid, e, missing, call, descs,
+def claim_word(regions_ptr, WORLD_SIZE: tl.constexpr):
+    """The status record's claim word (int32): the slot after the region table
+    (regions_ptr[WORLD_SIZE], device memory; triton_kernels.prepare)."""
+    return (regions_ptr + WORLD_SIZE).to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
+def record_failure(status_ptr, claim_ptr, code: tl.constexpr, barrier_id, pid, e, missing, call, descs,
                    WORLD_SIZE: tl.constexpr):
     """Fills in the status record (status_ptr: *i32 [STATUS_WORDS]) unless an
-    earlier failing program did; descs: [RANK_LANES, 2] int64 descriptor
-    words as read (mismatch), or 0."""
+    earlier failing program of its generation did (claim_ptr: claim_word);
+    descs: [RANK_LANES, 2] int64 descriptor words as read (mismatch), or 0."""
+    generation = tl.load(status_ptr + STATUS_GENERATION)
     if _INTERPRET:
-        won = tl.load(status_ptr + STATUS_CLAIMED) == 0  # programs run one after another here
-        tl.store(status_ptr + STATUS_CLAIMED, 1)
+        won = tl.load(claim_ptr) < generation  # programs run one after another here
+        tl.store(claim_ptr, tl.maximum(tl.load(claim_ptr), generation))
     else:
-        won = tl.atomic_cas(status_ptr + STATUS_CLAIMED, 0, 1, sem="relaxed", scope="gpu") == 0
+        won = tl.atomic_max(claim_ptr, generation, sem="relaxed", scope="gpu") < generation
     if won:
         tl.store(status_ptr + STATUS_BARRIER, barrier_id)
         tl.store(status_ptr + STATUS_PROGRAM, pid)
@@ -244,7 +256,7 @@ ARRIVED = tl.constexpr(2)
 
 
 @triton.jit
-def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr, call,
+def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, status_ptr, claim_ptr, call,
                barrier_id: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """Spins until flags[pid][q] of this rank's region (own_base: its address)
     has reached e for every q < WORLD_SIZE, acquire at system scope; returns
@@ -286,7 +298,7 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
         state = tl.max(votes, axis=0)
     if state == LATE:
         missing = tl.sum(tl.where(reached, 0, 1 << q), axis=0)
-        record_failure(status_ptr, CODE_DEADLINE, barrier_id, pid, e, missing, call,
+        record_failure(status_ptr, claim_ptr, CODE_DEADLINE, barrier_id, pid, e, missing, call,
                        tl.zeros([RANK_LANES, 2], tl.int64), WORLD_SIZE)
     # Every thread's later loads of peer data come after the acquire above.
     tl.debug_barrier()
@@ -298,7 +310,8 @@ def barrier(regions_ptr, own_base, flags_offset: tl.constexpr, pid, rank, e, tim
             barrier_id: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """A later barrier (mid) of program pid at epoch e among the same program of every rank."""
     signal_peers(regions_ptr, flags_offset, pid, rank, e, WORLD_SIZE)
-    return wait_peers(own_base, flags_offset, pid, rank, e, timeout_ns, status_ptr, call, barrier_id, WORLD_SIZE)
+    return wait_peers(own_base, flags_offset, pid, rank, e, timeout_ns, status_ptr, claim_word(regions_ptr, WORLD_SIZE),
+                      call, barrier_id, WORLD_SIZE)
 
 
 @triton.jit
@@ -325,7 +338,8 @@ def start_call(regions_ptr, own_base, pid, rank, e, desc_bytes, kind, timeout_ns
     tl.store((bases + descs_offset + rank * DESC_BYTES).to(tl.pointer_type(tl.int64)),
              tl.broadcast_to(mine[None, :], [RANK_LANES, 2]))
     signal_peers(regions_ptr, START_FLAGS_OFFSET, pid, rank, e, WORLD_SIZE, ALSO_MID=not HAS_MID)
-    ok = wait_peers(own_base, START_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr, call, START_BARRIER,
+    claim_ptr = claim_word(regions_ptr, WORLD_SIZE)
+    ok = wait_peers(own_base, START_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr, claim_ptr, call, START_BARRIER,
                     WORLD_SIZE)
     if ok:
         # After the acquire (and wait_peers' CTA barrier): rank q's descriptor of e.
@@ -335,7 +349,7 @@ def start_call(regions_ptr, own_base, pid, rank, e, desc_bytes, kind, timeout_ns
         if not agree:
             if HAS_MID:  # the call skips its mid barrier: store e there, as a call without one does
                 signal_peers(regions_ptr, MID_FLAGS_OFFSET, pid, rank, e, WORLD_SIZE)
-            record_failure(status_ptr, CODE_MISMATCH, 0, pid, e, 0, call, descs, WORLD_SIZE)
+            record_failure(status_ptr, claim_ptr, CODE_MISMATCH, 0, pid, e, 0, call, descs, WORLD_SIZE)
             count_mismatch(status_ptr, pid, call)
         ok = agree
     return ok

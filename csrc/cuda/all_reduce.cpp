@@ -289,6 +289,7 @@ GraphTable& graph_table_of(const Context& ctx) {
 struct StatusRecord {
   cuda::CallStatus* host = nullptr;
   cuda::CallStatus* device = nullptr;  // the same memory as the kernels address it
+  uint32_t* claim = nullptr;           // device memory (kernel_api.h CallStatus)
   char* own_region = nullptr;          // tells a record of a destroyed context whose address was reused
   cuda::LaunchOrder order;             // the last eager launch's stream (call_plan.h)
   cudaEvent_t launched = nullptr;      // recorded after it
@@ -299,6 +300,7 @@ std::unordered_map<const Context*, StatusRecord> status_by_context;
 
 void free_status(StatusRecord& rec) {
   if (rec.host != nullptr && cudaFreeHost(rec.host) != cudaSuccess) cudaGetLastError();
+  if (rec.claim != nullptr && cudaFree(rec.claim) != cudaSuccess) cudaGetLastError();
   if (rec.launched != nullptr && cudaEventDestroy(rec.launched) != cudaSuccess) cudaGetLastError();
   rec = StatusRecord{};
 }
@@ -325,16 +327,24 @@ void cuda_prepare(int64_t handle) {
   void* host = nullptr;
   C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(cuda::CallStatus), cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(host, 0, sizeof(cuda::CallStatus));
+  static_cast<cuda::CallStatus*>(host)->generation = 1;  // above the claim word's 0
   void* device = nullptr;
   cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
+  void* claim = nullptr;
+  if (err == cudaSuccess) err = cudaMalloc(&claim, sizeof(uint32_t));
+  // Zeroed before any kernel can claim it (on the legacy stream: synchronised).
+  if (err == cudaSuccess) err = cudaMemset(claim, 0, sizeof(uint32_t));
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
   cudaEvent_t launched = nullptr;
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&launched, cudaEventDisableTiming);
   if (err != cudaSuccess) {
     cudaFreeHost(host);
+    if (claim != nullptr) cudaFree(claim);
     C10_CUDA_CHECK(err);
   }
   rec.host = static_cast<cuda::CallStatus*>(host);
   rec.device = static_cast<cuda::CallStatus*>(device);
+  rec.claim = static_cast<uint32_t*>(claim);
   rec.own_region = ctx->own_region();
   rec.launched = launched;
 }
@@ -391,7 +401,10 @@ void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool m
   const bool capturing = is_capturing(stream);
   if (!capturing) wait_for_kernels(rec, stream);
   const cuda::CallStatus st = *rec.host;
-  if (!capturing) std::memset(rec.host, 0, sizeof(cuda::CallStatus));
+  if (!capturing) {  // a new generation: the next failing block claims the record again
+    std::memset(rec.host, 0, sizeof(cuda::CallStatus));
+    rec.host->generation = st.generation + 1;
+  }
   throw CallMismatch(mismatch_message(st.call, st.epoch, st.descs, ctx.world_size, st.mismatches,
                                       st.last_mismatch_call));
 }
@@ -686,6 +699,7 @@ void cuda_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   call.dtype = dtype_code(input.scalar_type());
   call.call_number = ctx.calls;
   call.status = rec.device;
+  call.claim = rec.claim;
   const bool capturing = is_capturing(stream);
   const bool launched = algo == kReduceScatter || algo == kAllGather
                             ? launch_segment_call(ctx, rec, stream, capturing, input, out, algo, call)
@@ -725,6 +739,7 @@ void cuda_agree(Context& ctx, CallDesc desc) {
   call.in_place = (desc.kind >> 25) & 1u;
   call.call_number = ctx.calls;
   call.status = rec.device;
+  call.claim = rec.claim;
   bool launched = false;
   launch_in_order(rec, stream, /*capturing=*/false, [&] {
     launched = cuda::kernels::all_reduce(cuda::Element::kFloat32, ctx.world_size, call, ctx.nblocks, stream);

@@ -53,6 +53,7 @@ struct KernelArgs {
   int64_t timeout_ns;
   const GraphEntry* graph_entry;  // nullptr: the buffers above are final
   CallStatus* status;
+  uint32_t* claim;
   uint64_t desc_bytes;
   int64_t call_number;
   int rank;
@@ -142,7 +143,7 @@ template <int W>
 __device__ __forceinline__ void record_failure(const KernelArgs& a, uint32_t code, uint32_t barrier_id,
                                                uint32_t e, uint32_t missing, const BarrierView& view) {
   CallStatus* st = a.status;
-  if (threadIdx.x != 0 || !claim_word(&st->claimed)) return;
+  if (threadIdx.x != 0 || !claim_record(a.claim, st->generation)) return;
   st->barrier = barrier_id;
   st->block = blockIdx.x;
   st->epoch = e;
@@ -728,6 +729,7 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.timeout_ns = call.timeout_ns;
   a.graph_entry = call.graph_entry;
   a.status = call.status;
+  a.claim = call.claim;
   a.desc_bytes = call.desc_bytes;
   a.call_number = call.call_number;
   a.rank = call.rank;

@@ -40,9 +40,13 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// True for the one caller that turns *word from 0 to 1 (first writer wins).
-// Device scope: only this process's kernels write its status record.
-__device__ __forceinline__ bool claim_word(uint32_t* word) { return atomicCAS(word, 0u, 1u) == 0u; }
+// True for the one caller that raises *word (device memory) to `generation`
+// from below it: the first writer of a status record's generation wins
+// (kernel_api.h CallStatus). Device scope: only this process's kernels write
+// its status record.
+__device__ __forceinline__ bool claim_record(uint32_t* word, uint32_t generation) {
+  return atomicMax(word, generation) < generation;
+}
 
 // Every kernel launch of the header goes through here (the harness runs the
 // blocks on host threads instead).
@@ -67,9 +71,12 @@ inline uint64_t global_timer_ns() {
                       std::chrono::steady_clock::now().time_since_epoch())
                       .count());
 }
-inline bool claim_word(uint32_t* word) {
-  uint32_t expected = 0;
-  return __atomic_compare_exchange_n(word, &expected, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+inline bool claim_record(uint32_t* word, uint32_t generation) {
+  uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  while (seen < generation) {
+    if (__atomic_compare_exchange_n(word, &seen, generation, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return true;
+  }
+  return false;
 }
 template <typename Args>
 inline void launch(void (*kernel)(Args), int nblocks, int threads, cudaStream_t,

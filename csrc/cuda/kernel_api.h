@@ -46,8 +46,13 @@ enum Mode : int {
 // record per communicator in pinned host memory mapped into the device, so the
 // host reads it without synchronising: csrc/cuda/all_reduce.cpp checks it before
 // every launch, after an agreement round and in cuda_check. The first failing
-// block claims it (claimed 0 -> 1), fills it in, and stores code last
-// (release, system scope); the host reads code (acquire), then the rest.
+// block claims it, fills it in, and stores code last (release, system scope);
+// the host reads code (acquire), then the rest. The claim is an atomicMax of
+// the record's generation on a word in device memory (Call::claim), not an
+// atomic on the mapped host memory, which would depend on the platform's PCIe
+// atomics: only this process's blocks compete. A block wins when the word was
+// below the generation; the host advances the generation whenever it clears
+// the record, so the device word never needs resetting.
 // Every mismatched call is counted, not only the first: the host raises a
 // recorded mismatch only after launching the next call, which may mismatch
 // too, and a program that catches the error and goes on must learn that
@@ -65,7 +70,7 @@ constexpr uint32_t kBarrierEnd = 2;
 
 struct CallStatus {
   uint32_t code;
-  uint32_t claimed;
+  uint32_t generation;          // from 1, advanced by the host each time it clears the record
   uint32_t barrier;             // deadline: which barrier
   uint32_t block;
   uint32_t epoch;               // e of the (first) failed call
@@ -114,6 +119,7 @@ struct Call {
                                 // (a captured call keeps the number it was captured with)
   const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
   CallStatus* status;           // device address of the communicator's status record
+  uint32_t* claim;              // device memory: the last generation of the record a block claimed
 };
 
 __host__ __device__ inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }

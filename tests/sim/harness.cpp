@@ -173,12 +173,20 @@ constexpr int kGuardBytes = 64;  // checked after every output
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// A status record as the glue makes it (cuda_prepare): generation 1.
+CallStatus first_status() {
+  CallStatus s{};
+  s.generation = 1;
+  return s;
+}
+
 struct Rank {
   Config cfg;
   int rank = 0;
   char* base = nullptr;         // this rank's mapping of the shared file
   int64_t per_rank = 0;         // region + registered buffer
-  CallStatus status{};          // the glue's pinned record (private to the rank)
+  CallStatus status = first_status();  // the glue's pinned record (private to the rank)
+  uint32_t claim = 0;           // the glue's claim word in device memory (kernel_api.h CallStatus)
   uint32_t kept_mismatches = 0; // mismatches the record holds because the "host" has not looked yet
   int64_t first_kept_call = 0;  // the call number of the first of them
   GraphEntry entries[kGraphEntries]{};
@@ -398,6 +406,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   call.dtype = kDtypeCodes[s.dtype];
   call.call_number = r.calls;
   call.status = &r.status;
+  call.claim = &r.claim;
   char* in_tmp = nullptr;
   char* out_tmp = nullptr;
   if (plan.copy_input) {
@@ -483,7 +492,9 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
     }
     if (std::memcmp(before.data(), out, size_t(out_bytes)) != 0) r.fail("a mismatched call wrote its output");
     if (host_clears) {
-      std::memset(&r.status, 0, sizeof(r.status));  // the glue clears a mismatch once raised
+      const uint32_t next = r.status.generation + 1;  // the glue clears a mismatch once raised
+      std::memset(&r.status, 0, sizeof(r.status));
+      r.status.generation = next;
       r.kept_mismatches = 0;
     } else {
       r.first_kept_call = first_call;
