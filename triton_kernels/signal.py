@@ -241,12 +241,16 @@ def count_mismatch(status_ptr, pid, call):
     the host may look only after later calls ran (on a GPU it raises a
     recorded mismatch after launching the next call), and none of them may go
     unreported. Program 0 counts: every program of a mismatched call sees the
-    mismatch, and a communicator's launches run one after another. A scalar
-    atomic runs once per program."""
+    mismatch, and a communicator's launches run one after another. Plain
+    loads and stores (no atomic on the mapped host memory): every thread of
+    the program loads the count before any stores it (the CTA barrier), and
+    all store the same value."""
     if pid == 0:
-        tl.atomic_add(status_ptr + STATUS_MISMATCHES, 1, sem="relaxed", scope="gpu")
+        count = tl.load(status_ptr + STATUS_MISMATCHES)
+        tl.debug_barrier()
+        tl.store(status_ptr + STATUS_MISMATCHES, count + 1)
         words = status_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-        tl.atomic_xchg(words + STATUS_LAST_CALL64, call.to(tl.int64), sem="relaxed", scope="gpu")
+        tl.store(words + STATUS_LAST_CALL64, call.to(tl.int64))
 
 
 # A wait's vote (wait_peers): the largest wins.
