@@ -667,6 +667,7 @@ class Communicator:
         if reason is not None:
             if not torch.compiler.is_compiling():
                 log_once(f"torch.distributed.all_reduce used: {reason}")
+                self._check_reference_capturable(reason)
             self._agree(src, dst, average, _C.MODE_FALLBACK)
             return self._reference_all_reduce(src, dst, average)
         if src.numel() == 0:
@@ -851,6 +852,19 @@ class Communicator:
             _all_reduce_inplace(dst, self._handle, algo_id, average)
         else:
             _all_reduce_out(src, dst, self._handle, algo_id, average)
+
+    def _check_reference_capturable(self, reason):
+        """A CUDA graph captures torch.distributed's all-reduce only over NCCL:
+        over gloo it invalidates the capture with an error that does not say
+        why this call went there."""
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return
+        backend = str(dist.get_backend(self.group))
+        if "nccl" not in backend:
+            raise RuntimeError(
+                f"pyallreduce: this all-reduce goes to torch.distributed ({reason}), and the group's backend "
+                f"{backend!r} cannot run inside a CUDA graph capture; give the Communicator a group with NCCL "
+                "for CUDA tensors, or make this call outside the capture")
 
     def _reference_all_reduce(self, src, dst, average):
         if average and not (src.is_floating_point() or src.is_complex()):

@@ -19,6 +19,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "quick: in the quick tier (--quick) too, with its first parameter set: together these touch "
         "every module's main behaviour in under 3 minutes; every test runs in the full tier (CI)")
+    config.addinivalue_line(
+        "markers", "cuda_emulated: the GPU stack on the emulated CUDA runtime (tests/emulated); "
+        "`pytest tests -m cuda_emulated` builds what they need and runs exactly them")
 
 
 def first_case(item):

@@ -39,8 +39,11 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that crashes (SIGSEGV in native code) shows where, on its stderr
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # Plain pickle copies tensor data into the message. The queue's own pickler

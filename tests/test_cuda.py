@@ -7,6 +7,7 @@ processes time-slice there, so nothing here measures speed.
 Skipped without a GPU or without the CUDA kernels in the build.
 """
 import hashlib
+import os
 
 import pytest
 import torch
@@ -43,9 +44,18 @@ def sizes_for(dtype):
                    3 * NBLOCKS * chunk - vec + 1, per_call - 1, per_call, 2 * per_call + 5})
 
 
+# The Triton backend runs the checks that need no CUDA-backend-only feature
+# (graphs and registration are the CUDA backend's): the ranks get the backend
+# in their environment.
+BACKEND_ENV = "PYALLREDUCE_TEST_GPU_BACKEND"
+
+
 def make_comm(**kw):
+    # The emulation must run the emulated extension (its kernels on the host
+    # shim), never the repository's build, whose launches would all fail.
+    assert not EMULATED or "emulated" in _C.__file__, _C.__file__
     kw.setdefault("device", torch.device("cuda", 0))
-    kw.setdefault("backend", "cuda")
+    kw.setdefault("backend", os.environ.get(BACKEND_ENV, "cuda"))
     kw.setdefault("max_bytes", MAX_BYTES)
     kw.setdefault("timeout", TIMEOUT_S)
     kw.setdefault("nblocks", NBLOCKS)
@@ -58,6 +68,28 @@ def exact_avg(numel, world, dtype, salt):
 
 def on_gpu(t):
     return t.to("cuda")
+
+
+# Under the emulated CUDA runtime (tests/emulated: the glue, transport and
+# Python stack on a machine without a GPU) only pyallreduce's kernels run, not
+# torch's: the checks overwrite tensors and sleep through the helpers below.
+# Graph captures are not emulated yet.
+EMULATED = torch.cuda.get_device_name(0).startswith("Emulated")
+needs_graphs = pytest.mark.skipif(EMULATED, reason="the emulated CUDA runtime has no graph capture yet")
+
+
+def overwrite(t, value):
+    """t.fill_(value); under the emulation, a copy from the host (the same bytes,
+    but the host waits for it where fill_ would let it run ahead)."""
+    if EMULATED:
+        t.copy_(torch.full(t.shape, value, dtype=t.dtype))
+    else:
+        t.fill_(value)
+
+
+def gpu_sleep(cycles):
+    if not EMULATED:  # its work is synchronous: a sleep would only delay the host
+        torch.cuda._sleep(cycles)
 
 
 def digest(t):
@@ -86,7 +118,7 @@ def check_eager(rank, world):
                     want_sum = exact_sum(numel, world, dtype, salt)
                     x = on_gpu(exact_input(numel, rank, dtype, salt))
                     got = comm.all_reduce(x, algo=algo)
-                    x.fill_(1000)  # reuse the input at once: peers read the staging copy
+                    overwrite(x, 1000)  # reuse the input at once: peers read the staging copy
                     if not torch.equal(got.cpu(), want_sum):
                         failures.append(("sum", dtype, numel, algo))
 
@@ -172,7 +204,7 @@ def check_graph(rank, world):
                 graph.replay()
                 results = [out_one.clone(), out_two.clone(), out_avg.clone(), in_place_two.clone(),
                            in_place_one.clone()]
-                static.fill_(-9)  # at once: peers must be done reading it
+                overwrite(static, -9)  # at once: peers must be done reading it
                 want = exact_sum(numel, world, dtype, salt)
                 if not all(torch.equal(r.cpu(), want) for i, r in enumerate(results) if i != 2):
                     failures.append(("sum", dtype, it))
@@ -297,14 +329,14 @@ def check_registered(rank, world):
                     for algo in ALGOS:
                         view.copy_(on_gpu(exact_input(n, rank, dtype, it)))
                         got = comm.all_reduce(view, algo=algo)
-                        view.fill_(-3)  # at once, on the same stream
+                        overwrite(view, -3)  # at once, on the same stream
                         if not torch.equal(got.cpu(), want):
                             failures.append(("out-of-place", dtype, name, algo, it))
 
                         view.copy_(on_gpu(exact_input(n, rank, dtype, it)))
                         comm.all_reduce_(view, algo=algo)
                         snapshot = view.clone()
-                        view.fill_(-5)
+                        overwrite(view, -5)
                         if not torch.equal(snapshot.cpu(), want):
                             failures.append(("in-place", dtype, name, algo, it))
 
@@ -317,11 +349,29 @@ def check_registered(rank, world):
             for it in range(20):
                 static.copy_(on_gpu(exact_input(numel, rank, dtype, it)))
                 graph.replay()
-                static.fill_(-7)
+                overwrite(static, -7)
                 if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, it)):
                     failures.append(("graph", dtype, it))
             del graph
     assert not failures, f"rank {rank}: {failures[:10]} ({len(failures)} in all)"
+
+
+def check_uncapturable_fallback_says_why(rank, world):
+    """float64 goes to torch.distributed, here over gloo, which a CUDA graph
+    cannot capture: the call must say so (not invalidate the capture with
+    CUDA's bare error), and the communicator must work on afterwards."""
+    torch.cuda.set_device(0)
+    with make_comm() as comm:
+        x = on_gpu(exact_input(1000, rank, torch.float64, 3))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                comm.all_reduce(x)
+        del graph
+        assert torch.equal(comm.all_reduce(x).cpu(), exact_sum(1000, world, torch.float64, 3))
+        y = on_gpu(exact_input(1000, rank, torch.float32, 3))
+        assert torch.equal(comm.all_reduce(y).cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
 # ---- many calls back to back ---------------------------------------------------------
@@ -344,9 +394,9 @@ def check_back_to_back(rank, world):
             view = x[dtype][:numel]
             view.copy_(on_gpu(exact_input(numel, rank, dtype, i)))
             if torch.randint(0, 8, (1,), generator=gen).item() == 0:
-                torch.cuda._sleep(int(torch.randint(1, 200_000, (1,), generator=gen).item()))
+                gpu_sleep(int(torch.randint(1, 200_000, (1,), generator=gen).item()))
             out = comm.all_reduce(view, algo=algo)
-            view.fill_(7)
+            overwrite(view, 7)
             results.append((i, dtype, numel, out))
         torch.cuda.synchronize()
         wrong = [(i, dtype, numel) for i, dtype, numel, out in results
@@ -354,11 +404,28 @@ def check_back_to_back(rank, world):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
 
 
-CHECKS = (check_eager, check_random_floats, check_graph, check_graph_reads_inputs_in_place, check_graph_table_blocks,
-          check_registered, check_back_to_back)
+CHECKS = (check_eager, check_random_floats, *(pytest.param(c, marks=needs_graphs, id=c.__name__) for c in (
+    check_graph, check_graph_reads_inputs_in_place, check_graph_table_blocks, check_registered)), check_back_to_back)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
 def test_on_one_gpu(check, world):
     run_ranks(check, world, timeout=RUN_TIMEOUT)
+
+
+@needs_graphs
+def test_uncapturable_fallback_says_why():
+    run_ranks(check_uncapturable_fallback_says_why, 2, timeout=RUN_TIMEOUT)
+
+
+TRITON_CHECKS = (check_eager, check_random_floats, check_back_to_back)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("check", TRITON_CHECKS, ids=lambda check: check.__name__)
+def test_triton_backend_on_one_gpu(check, world):
+    if EMULATED:
+        pytest.skip("Triton launches through the CUDA driver, which is not emulated")
+    pytest.importorskip("triton")
+    run_ranks(check, world, timeout=RUN_TIMEOUT, env={BACKEND_ENV: "triton"})

@@ -213,13 +213,17 @@ int64_t device_by_pci_bus_id(const std::string& bus_id) {
   return device;
 }
 
-// Synchronous copy between any two addresses (host, own device, IPC-mapped
-// peer memory): the topology probe writes and reads peers' memory with it.
+// Copy between any two addresses (host, own device, IPC-mapped peer memory)
+// that has finished when it returns: the topology probe writes peers' memory
+// with it and then tells them to look. cudaMemcpy alone does not wait for a
+// device-to-device copy (CUDA's "API synchronization behavior"), and a peer
+// then read its buffer before our bytes landed (seen on an H200, 2026-11-26).
 void memcpy_sync(int64_t device, int64_t dst, int64_t src, int64_t nbytes) {
   DeviceScope scope(device);
-  check_cuda(cudaMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                        static_cast<size_t>(nbytes), cudaMemcpyDefault),
-             "cudaMemcpy");
+  check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                             static_cast<size_t>(nbytes), cudaMemcpyDefault, nullptr),
+             "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
 }
 
 }  // namespace

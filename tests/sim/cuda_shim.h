@@ -277,9 +277,15 @@ inline void run_block(BlockRun& b, int threads) {
   block = nullptr;
 }
 
+// Called with true before a launch runs and false after it finished, when
+// set: the emulated CUDA runtime (tests/emulated) opens device memory to the
+// host only while device work runs.
+inline void (*device_work_hook)(bool running) = nullptr;
+
 // kernel<<<nblocks, threads>>>(args), returning when the kernel finished.
 template <typename Args>
 void launch(void (*kernel)(Args), int nblocks, int threads, const Args& args) {
+  if (device_work_hook != nullptr) device_work_hook(true);
   struct Thunk {
     void (*kernel)(Args);
     const Args* args;
@@ -306,6 +312,7 @@ void launch(void (*kernel)(Args), int nblocks, int threads, const Args& args) {
     });
   }
   for (std::thread& th : blocks) th.join();
+  if (device_work_hook != nullptr) device_work_hook(false);
 }
 
 }  // namespace sim

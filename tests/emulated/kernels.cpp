@@ -1,0 +1,18 @@
+// The extension's kernels for the emulated CUDA runtime: csrc/cuda/kernels.cu
+// unchanged, compiled by g++ over the host shim, so a launch runs the real
+// kernel source on host threads (and returns when it has finished).
+#include "../sim/cuda_shim.h"
+#include "../../csrc/cuda/kernels.cu"
+
+// Device memory is open to the host only while device work runs (cudart.cpp).
+// Weak: the extension also loads without the emulated runtime (its build loads it).
+extern "C" __attribute__((weak)) void pyallreduce_emulated_device_work(int running);
+
+namespace {
+const bool hooked = [] {
+  if (pyallreduce_emulated_device_work != nullptr) {
+    sim::device_work_hook = [](bool running) { pyallreduce_emulated_device_work(running ? 1 : 0); };
+  }
+  return true;
+}();
+}  // namespace
