@@ -79,9 +79,9 @@ inline bool claim_record(uint32_t* word, uint32_t generation) {
   return false;
 }
 template <typename Args>
-inline void launch(void (*kernel)(Args), int nblocks, int threads, cudaStream_t,
+inline void launch(void (*kernel)(Args), int nblocks, int threads, cudaStream_t stream,
                    const Args& args) {
-  sim::launch(kernel, nblocks, threads, args);
+  sim::launch_on(stream, kernel, nblocks, threads, args);
 }
 
 #endif

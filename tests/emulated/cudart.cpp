@@ -11,10 +11,13 @@
 //   in this process, so a peer process maps the same bytes from an IPC handle
 //   (the handle names the owner's pid and fd; the peer opens
 //   /proc/<pid>/fd/<fd>, so nothing is left in /dev/shm).
-// * Work is synchronous: a copy, memset or kernel has finished when its call
-//   returns, so every stream and event rule holds trivially. What is checked
-//   is the glue's use of the runtime (which calls, with which pointers, in
-//   which order), not asynchrony.
+// * Work is asynchronous, as on a GPU: each stream is a worker thread that runs
+//   its copies, memsets and kernels in order, after the call that enqueued
+//   them has returned (where CUDA says the call returns early: a device to
+//   device cudaMemcpy does). Events mark a point in a stream; the legacy
+//   default stream waits for, and is waited for by, the blocking streams.
+//   PYALLREDUCE_EMULATED_DELAY_US=N makes every device task start up to N us
+//   late, so that host code which forgets to wait shows.
 // * The rules it enforces are those of the CUDA Runtime API reference that a
 //   misuse would otherwise hide; each says where it comes from.
 // * Every other runtime symbol torch or pyallreduce imports has a weak stub
@@ -32,9 +35,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -97,7 +108,7 @@ size_t page_round(size_t n) {
 // host memory on a GPU: host code that dereferences a device pointer faults
 // there. So it is mapped PROT_NONE here except while device work (a copy, a
 // memset, a kernel) runs, and such host code faults here too. Work is
-// synchronous, so device work and host code never run at once.
+// asynchronous, so host code that runs while a kernel does is not caught.
 int device_work_depth = 0;  // under memory_mutex
 
 void protect_device_memory(int prot) {
@@ -118,6 +129,180 @@ struct DeviceWork {
 };
 
 int new_mapping_prot() { return device_work_depth > 0 ? PROT_READ | PROT_WRITE : PROT_NONE; }
+
+// ---- streams ------------------------------------------------------------------------
+
+struct Stream {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;
+  uint64_t enqueued = 0;  // tasks ever enqueued
+  uint64_t done = 0;      // tasks finished
+  bool destroyed = false;
+  bool blocking = true;   // synchronises with the legacy default stream
+  int device = 0;
+  int priority = 0;
+  struct Capture* capture = nullptr;  // under streams_mutex: the capture sequence recording this stream
+
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return !tasks.empty() || destroyed; });
+        if (tasks.empty()) break;  // destroyed and drained
+        task = std::move(tasks.front());
+        tasks.pop_front();
+      }
+      task();
+      std::lock_guard<std::mutex> lock(m);
+      ++done;
+      cv.notify_all();
+    }
+  }
+  uint64_t push(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(m);
+    tasks.push_back(std::move(task));
+    cv.notify_all();
+    return ++enqueued;
+  }
+  void wait_for(uint64_t ticket) {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return done >= ticket; });
+  }
+  uint64_t ticket() {
+    std::lock_guard<std::mutex> lock(m);
+    return enqueued;
+  }
+  bool idle_at(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(m);
+    return done >= ticket;
+  }
+};
+
+std::mutex streams_mutex;
+std::vector<Stream*> live_streams;  // created and not destroyed (the legacy stream not among them)
+
+// A stream's worker. A destroyed stream's worker ends once its work is done;
+// the Stream itself is never freed (a handle copied before the destroy may
+// still be waited on).
+Stream* start(Stream* s) {
+  std::thread([s] { s->run(); }).detach();
+  return s;
+}
+
+// Made on first use (a function-local static: callers may hold streams_mutex).
+Stream* legacy_stream() {
+  static Stream* const s = start(new Stream);
+  return s;
+}
+
+// The stream a handle names: 0, cudaStreamLegacy and cudaStreamPerThread are
+// the legacy default stream here (torch and pyallreduce build without
+// per-thread default streams).
+Stream* stream_of(cudaStream_t s) {
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return legacy_stream();
+  return reinterpret_cast<Stream*>(s);
+}
+
+unsigned delay_us() {
+  static const unsigned d = [] {
+    const char* v = std::getenv("PYALLREDUCE_EMULATED_DELAY_US");
+    return v ? unsigned(std::atoi(v)) : 0u;
+  }();
+  return d;
+}
+
+// ---- capture -------------------------------------------------------------------------
+
+// A capture sequence (cudaStreamBeginCapture .. cudaStreamEndCapture): the
+// work enqueued on its stream is recorded, not run, and replays as a graph.
+struct Capture {
+  uint64_t id;
+  cudaStreamCaptureMode mode;
+  std::thread::id thread;  // that began it
+  bool invalidated = false;
+  std::vector<std::function<void()>> nodes;
+};
+std::vector<Capture*> captures;  // active, under streams_mutex
+uint64_t next_capture_id = 1;
+
+// Whether this thread is prohibited from "potentially unsafe API calls"
+// (allocation, synchronous copies, synchronisation) now; if so, the capture
+// sequences that prohibit it are invalidated, as the runtime does
+// (cudaThreadExchangeStreamCaptureMode): global mode, the default, forbids
+// them while this thread captures (not in relaxed mode) or while any other
+// thread captures in global mode; thread-local mode only the former; relaxed
+// mode never.
+bool unsafe_call_prohibited() {
+  if (capture_mode == cudaStreamCaptureModeRelaxed) return false;
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  bool prohibited = false;
+  const auto me = std::this_thread::get_id();
+  for (Capture* c : captures) {
+    const bool own = c->thread == me && c->mode != cudaStreamCaptureModeRelaxed;
+    const bool others = c->thread != me && c->mode == cudaStreamCaptureModeGlobal &&
+                        capture_mode == cudaStreamCaptureModeGlobal;
+    if (own || others) {
+      c->invalidated = true;
+      prohibited = true;
+    }
+  }
+  if (prohibited) note("an unsafe call during a capture: the capture is invalidated");
+  return prohibited;
+}
+
+// Runs `work` on stream s after everything enqueued there before, and after
+// the legacy stream's or the blocking streams' earlier work where CUDA's
+// legacy-stream rule says so ("Stream synchronization behavior": the legacy
+// default stream waits for all blocking streams, and they wait for it). On a
+// stream being captured the work is recorded instead (returns 0), or refused
+// when that capture was invalidated (returns -1).
+int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
+  Stream* s = stream_of(handle);
+  std::vector<std::pair<Stream*, uint64_t>> before;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    if (s->capture != nullptr) {
+      if (s->capture->invalidated) return -1;
+      s->capture->nodes.push_back(std::move(work));
+      return 0;
+    }
+    if (s == legacy_stream()) {
+      for (Stream* b : live_streams) {
+        if (b->blocking) before.emplace_back(b, b->ticket());
+      }
+    } else if (s->blocking) {
+      before.emplace_back(legacy_stream(), legacy_stream()->ticket());
+    }
+  }
+  const unsigned delay = delay_us();
+  return int64_t(s->push([before = std::move(before), work = std::move(work), delay] {
+    for (auto& [other, ticket] : before) other->wait_for(ticket);
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(std::rand() % delay));
+    work();
+  }));
+}
+
+bool capturing(cudaStream_t handle) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  return stream_of(handle)->capture != nullptr;
+}
+
+void synchronize(cudaStream_t handle) {
+  Stream* s = stream_of(handle);
+  s->wait_for(s->ticket());
+}
+
+void synchronize_device() {
+  std::vector<Stream*> all;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    all = live_streams;
+  }
+  for (Stream* s : all) s->wait_for(s->ticket());
+  synchronize(nullptr);
+}
 
 // The legacy IPC handle's 64 bytes, as this emulation fills them.
 struct Handle {
@@ -146,6 +331,13 @@ extern "C" {
 
 // tests/emulated/kernels.cpp: a kernel of ours starts (1) or has finished (0).
 void pyallreduce_emulated_device_work(int running) { device_work(running != 0); }
+
+// tests/emulated/kernels.cpp: runs fn(arg), one kernel launch of ours, on the
+// stream's worker after the work enqueued before it.
+void pyallreduce_emulated_enqueue(cudaStream_t stream, void (*run)(void*), void (*destroy)(void*), void* arg) {
+  std::shared_ptr<void> held(arg, destroy);  // a captured launch runs at every replay
+  if (enqueue(stream, [run, held] { run(held.get()); }) < 0) fail(cudaErrorStreamCaptureInvalidated);
+}
 
 // ---- errors -------------------------------------------------------------------
 
@@ -288,7 +480,11 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
   return cudaSuccess;
 }
 
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }  // all work is synchronous
+cudaError_t cudaDeviceSynchronize() {
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  synchronize_device();
+  return cudaSuccess;
+}
 
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   *free_bytes = size_t(8) << 30;
@@ -300,6 +496,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 
 cudaError_t cudaMalloc(void** p, size_t n) {
   if (p == nullptr) return fail(cudaErrorInvalidValue);
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   const size_t size = page_round(n == 0 ? 1 : n);
   const int fd = memfd_create("pyallreduce-emulated-device", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, off_t(size)) != 0) {
@@ -320,6 +517,8 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  synchronize_device();  // cudaFree waits for the device's work first
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   // "cudaFree: ... cudaErrorInvalidValue if devPtr was not returned by an
@@ -333,6 +532,7 @@ cudaError_t cudaFree(void* p) {
 }
 
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   const size_t size = page_round(n == 0 ? 1 : n);
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
@@ -345,6 +545,8 @@ cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
 cudaError_t cudaMallocHost(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
 
 cudaError_t cudaFreeHost(void* p) {
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  synchronize_device();  // as cudaFree
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations.end() || it->second.kind != Kind::kHost) return fail(cudaErrorInvalidValue);
@@ -379,39 +581,70 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+// "API synchronization behavior": a copy between device memory and pageable
+// host memory returns once the host side is safe (here: when the copy is
+// done); device to device, and anything with pinned host memory, returns at
+// once, also from the synchronous cudaMemcpy ("for transfers from device
+// memory to device memory, no host-side synchronization is performed").
+enum class Side { kDevice, kPinned, kPageable };
+
+Side side_of(const void* p) {
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  auto it = find_allocation(p);
+  if (it == allocations.end()) return Side::kPageable;
+  return it->second.kind == Kind::kHost ? Side::kPinned : Side::kDevice;
+}
+
+cudaError_t copy(void* dst, const void* src, size_t n, cudaStream_t stream, bool host_waits_anyway) {
   if (!valid_range(dst, n, true) || !valid_range(src, n, true)) return fail(cudaErrorInvalidValue);
-  DeviceWork work;
-  std::memmove(dst, src, n);
+  if (n == 0) return cudaSuccess;
+  const bool pageable = side_of(dst) == Side::kPageable || side_of(src) == Side::kPageable;
+  const bool host_waits = pageable || host_waits_anyway;
+  if (host_waits && (capturing(stream) || unsafe_call_prohibited())) return fail(cudaErrorStreamCaptureUnsupported);
+  const int64_t ticket = enqueue(stream, [=] {
+    DeviceWork work;
+    std::memmove(dst, src, n);
+  });
+  if (ticket < 0) return fail(cudaErrorStreamCaptureInvalidated);
+  if (host_waits) stream_of(stream)->wait_for(uint64_t(ticket));
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, n, kind);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  const bool device_to_device = side_of(dst) == Side::kDevice && side_of(src) == Side::kDevice;
+  return copy(dst, src, n, nullptr, /*host_waits_anyway=*/!device_to_device);
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t stream) {
+  return copy(dst, src, n, stream, false);
 }
 
 cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                              size_t height, cudaMemcpyKind kind, cudaStream_t) {
+                              size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
   for (size_t r = 0; r < height; ++r) {
-    const cudaError_t e = cudaMemcpy(static_cast<char*>(dst) + r * dpitch,
-                                     static_cast<const char*>(src) + r * spitch, width, kind);
+    const cudaError_t e = cudaMemcpyAsync(static_cast<char*>(dst) + r * dpitch,
+                                          static_cast<const char*>(src) + r * spitch, width, kind, stream);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, cudaStream_t) {
-  return cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, cudaStream_t stream) {
+  return copy(dst, src, n, stream, false);
 }
 
-cudaError_t cudaMemset(void* p, int v, size_t n) {
+// Asynchronous for device memory ("the cudaMemset functions are asynchronous
+// with respect to the host except when the target is pinned host memory").
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t stream) {
   if (!valid_range(p, n, false)) return fail(cudaErrorInvalidValue);
-  DeviceWork work;
-  std::memset(p, v, n);
-  return cudaSuccess;
+  const int64_t ticket = enqueue(stream, [=] {
+    DeviceWork work;
+    std::memset(p, v, n);
+  });
+  return ticket < 0 ? fail(cudaErrorStreamCaptureInvalidated) : cudaSuccess;
 }
 
-cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { return cudaMemset(p, v, n); }
+cudaError_t cudaMemset(void* p, int v, size_t n) { return cudaMemsetAsync(p, v, n, nullptr); }
 
 // ---- legacy IPC --------------------------------------------------------------------
 
@@ -451,6 +684,7 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
 }
 
 cudaError_t cudaIpcCloseMemHandle(void* p) {
+  synchronize_device();  // no queued work of ours may touch the mapping afterwards
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations.end() || it->second.kind != Kind::kPeerMapping) return fail(cudaErrorInvalidValue);
@@ -459,62 +693,72 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
   return cudaSuccess;
 }
 
-// ---- streams and events (work is synchronous: everything has happened) ----------
+// ---- streams and events ----------------------------------------------------------
 
-struct EmulatedStream {
-  int device;
-  int priority;
-};
-struct EmulatedEvent {
-  bool recorded = false;
-};
-
-cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int, int priority) {
-  *s = reinterpret_cast<cudaStream_t>(new EmulatedStream{current_device, priority});
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* handle, unsigned int flags, int priority) {
+  auto* s = new Stream;
+  s->blocking = (flags & cudaStreamNonBlocking) == 0;
+  s->device = current_device;
+  s->priority = priority;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    live_streams.push_back(s);
+  }
+  *handle = reinterpret_cast<cudaStream_t>(start(s));
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
   return cudaStreamCreateWithPriority(s, flags, 0);
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithPriority(s, 0, 0); }
-cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  delete reinterpret_cast<EmulatedStream*>(s);
+cudaError_t cudaStreamDestroy(cudaStream_t handle) {
+  Stream* s = stream_of(handle);
+  if (s == legacy_stream()) return fail(cudaErrorInvalidResourceHandle);
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    live_streams.erase(std::remove(live_streams.begin(), live_streams.end(), s), live_streams.end());
+  }
+  std::lock_guard<std::mutex> lock(s->m);
+  s->destroyed = true;
+  s->cv.notify_all();
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned int) {
-  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+// Synchronising a stream being captured, or any while this thread may make
+// no unsafe call, fails and invalidates the capture.
+bool refuse_sync_of(cudaStream_t handle) {
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    Stream* s = stream_of(handle);
+    if (s->capture != nullptr) {
+      s->capture->invalidated = true;
+      return true;
+    }
+  }
+  return unsafe_call_prohibited();
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (refuse_sync_of(s)) return fail(cudaErrorStreamCaptureUnsupported);
+  synchronize(s);
   return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t handle) {
+  if (refuse_sync_of(handle)) return fail(cudaErrorStreamCaptureUnsupported);
+  Stream* s = stream_of(handle);
+  return s->idle_at(s->ticket()) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
-  *priority = s == nullptr ? 0 : reinterpret_cast<EmulatedStream*>(s)->priority;
+  *priority = stream_of(s)->priority;
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
-  *status = cudaStreamCaptureStatusNone;  // graphs are not emulated (yet): nothing ever captures
-  return cudaSuccess;
-}
-
-cudaError_t cudaStreamGetCaptureInfo(cudaStream_t, cudaStreamCaptureStatus* status, unsigned long long* id,
-                                     cudaGraph_t* graph, const cudaGraphNode_t** deps,
-                                     const cudaGraphEdgeData** edges, size_t* ndeps) {
-  *status = cudaStreamCaptureStatusNone;
-  if (id) *id = 0;
-  if (graph) *graph = nullptr;
-  if (deps) *deps = nullptr;
-  if (edges) *edges = nullptr;
-  if (ndeps) *ndeps = 0;
-  return cudaSuccess;
-}
-
-cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
-  const cudaStreamCaptureMode old = capture_mode;
-  capture_mode = *mode;
-  *mode = old;
-  return cudaSuccess;
-}
+// An event is a point in one stream: the work enqueued there when it was
+// last recorded. Never recorded, it has completed.
+struct EmulatedEvent {
+  Stream* stream = nullptr;
+  uint64_t ticket = 0;
+  uint64_t capture_id = 0;  // recorded inside this capture sequence (a node of its graph)
+};
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
   *e = reinterpret_cast<cudaEvent_t>(new EmulatedEvent{});
@@ -526,19 +770,161 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete reinterpret_cast<EmulatedEvent*>(e);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
-  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
-  reinterpret_cast<EmulatedEvent*>(e)->recorded = true;
+cudaError_t cudaEventRecord(cudaEvent_t handle, cudaStream_t stream) {
+  if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  auto* e = reinterpret_cast<EmulatedEvent*>(handle);
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  e->stream = stream_of(stream);
+  e->ticket = e->stream->ticket();
+  e->capture_id = e->stream->capture != nullptr ? e->stream->capture->id : 0;
   return cudaSuccess;
 }
 cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int) { return cudaEventRecord(e, s); }
-cudaError_t cudaEventQuery(cudaEvent_t e) {
-  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+cudaError_t cudaEventQuery(cudaEvent_t handle) {
+  if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  auto* e = reinterpret_cast<EmulatedEvent*>(handle);
+  return e->stream == nullptr || e->stream->idle_at(e->ticket) ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t handle) {
+  if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  auto* e = reinterpret_cast<EmulatedEvent*>(handle);
+  if (e->stream != nullptr) e->stream->wait_for(e->ticket);
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t e) { return cudaEventQuery(e); }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
   *ms = 0.0f;
+  return cudaSuccess;
+}
+// The stream waits for the event's last record as of this call.
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t handle, unsigned int) {
+  if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  auto* e = reinterpret_cast<EmulatedEvent*>(handle);
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    Capture* c = stream_of(stream)->capture;
+    if (c != nullptr && e->capture_id != c->id && e->stream != nullptr) {
+      // "a dependency would have been created which crosses the capture
+      // sequence boundary" (an event recorded outside the capture).
+      c->invalidated = true;
+      return fail(cudaErrorStreamCaptureIsolation);
+    }
+    if (c == nullptr && e->capture_id != 0) {
+      return fail(cudaErrorNotSupported);  // joining another stream into a capture: not emulated
+    }
+    if (c != nullptr) return cudaSuccess;  // an event of the same capture on its own stream: in order already
+  }
+  if (e->stream != nullptr) {
+    Stream* other = e->stream;
+    const uint64_t ticket = e->ticket;
+    enqueue(stream, [other, ticket] { other->wait_for(ticket); });
+  }
+  return cudaSuccess;
+}
+
+cudaStreamCaptureStatus capture_status(Stream* s, uint64_t* id) {
+  if (id) *id = s->capture ? s->capture->id : 0;
+  if (s->capture == nullptr) return cudaStreamCaptureStatusNone;
+  return s->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t handle, cudaStreamCaptureStatus* status) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  *status = capture_status(stream_of(handle), nullptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t handle, cudaStreamCaptureStatus* status, unsigned long long* id,
+                                     cudaGraph_t* graph, const cudaGraphNode_t** deps,
+                                     const cudaGraphEdgeData** edges, size_t* ndeps) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  uint64_t capture_id = 0;
+  *status = capture_status(stream_of(handle), &capture_id);
+  if (id) *id = capture_id;
+  if (graph) *graph = nullptr;
+  if (deps) *deps = nullptr;
+  if (edges) *edges = nullptr;
+  if (ndeps) *ndeps = 0;
+  return cudaSuccess;
+}
+
+struct EmulatedGraph {
+  std::vector<std::function<void()>> nodes;
+};
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t handle, cudaStreamCaptureMode mode) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  Stream* s = stream_of(handle);
+  // "cudaStreamBeginCapture ... may not be called on the legacy stream".
+  if (s == legacy_stream()) return fail(cudaErrorStreamCaptureUnsupported);
+  if (s->capture != nullptr) return fail(cudaErrorIllegalState);
+  s->capture = new Capture{next_capture_id++, mode, std::this_thread::get_id()};
+  captures.push_back(s->capture);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t handle, cudaGraph_t* graph) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  Stream* s = stream_of(handle);
+  Capture* c = s->capture;
+  if (c == nullptr) return fail(cudaErrorIllegalState);
+  if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id()) {
+    return fail(cudaErrorStreamCaptureWrongThread);
+  }
+  s->capture = nullptr;
+  captures.erase(std::remove(captures.begin(), captures.end(), c), captures.end());
+  const bool invalidated = c->invalidated;
+  *graph = invalidated ? nullptr : reinterpret_cast<cudaGraph_t>(new EmulatedGraph{std::move(c->nodes)});
+  delete c;
+  return invalidated ? fail(cudaErrorStreamCaptureInvalidated) : cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (graph == nullptr) return fail(cudaErrorInvalidValue);
+  *exec = reinterpret_cast<cudaGraphExec_t>(new EmulatedGraph(*reinterpret_cast<EmulatedGraph*>(graph)));
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+  return cudaGraphInstantiateWithFlags(exec, graph, flags);
+}
+
+// A replay: the recorded work, with the arguments it was captured with, in order.
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (exec == nullptr) return fail(cudaErrorInvalidValue);
+  for (const auto& node : reinterpret_cast<EmulatedGraph*>(exec)->nodes) {
+    if (enqueue(stream, node) < 0) return fail(cudaErrorStreamCaptureInvalidated);
+  }
+  return cudaSuccess;
+}
+
+// torch counts the nodes (it warns about an empty graph); the handles name nothing.
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, size_t* count) {
+  if (graph == nullptr || count == nullptr) return fail(cudaErrorInvalidValue);
+  const size_t n = reinterpret_cast<EmulatedGraph*>(graph)->nodes.size();
+  if (nodes != nullptr) {
+    for (size_t i = 0; i < std::min(n, *count); ++i) nodes[i] = reinterpret_cast<cudaGraphNode_t>(i + 1);
+  }
+  *count = n;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphUpload(cudaGraphExec_t, cudaStream_t) { return cudaSuccess; }
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete reinterpret_cast<EmulatedGraph*>(exec);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete reinterpret_cast<EmulatedGraph*>(graph);
+  return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  const cudaStreamCaptureMode old = capture_mode;
+  capture_mode = *mode;
+  *mode = old;
   return cudaSuccess;
 }
 

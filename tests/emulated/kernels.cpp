@@ -6,13 +6,18 @@
 
 // Device memory is open to the host only while device work runs (cudart.cpp).
 // Weak: the extension also loads without the emulated runtime (its build loads it).
+// Launches are enqueued on their stream's worker there. Weak: the extension
+// also loads without the emulated runtime (its build loads it).
 extern "C" __attribute__((weak)) void pyallreduce_emulated_device_work(int running);
+extern "C" __attribute__((weak)) void pyallreduce_emulated_enqueue(cudaStream_t, void (*)(void*), void (*)(void*),
+                                                                   void*);
 
 namespace {
 const bool hooked = [] {
   if (pyallreduce_emulated_device_work != nullptr) {
     sim::device_work_hook = [](bool running) { pyallreduce_emulated_device_work(running ? 1 : 0); };
   }
+  if (pyallreduce_emulated_enqueue != nullptr) sim::stream_enqueue_hook = pyallreduce_emulated_enqueue;
   return true;
 }();
 }  // namespace

@@ -315,6 +315,32 @@ void launch(void (*kernel)(Args), int nblocks, int threads, const Args& args) {
   if (device_work_hook != nullptr) device_work_hook(false);
 }
 
+// Set by the emulated CUDA runtime (tests/emulated): a launch is enqueued on
+// its stream and runs there, after the launching call returned, as on a GPU
+// (or is recorded into a graph being captured, and runs at each replay; the
+// runtime calls `destroy` when it needs the launch no more). Unset (the
+// harness), a launch runs at once and returns when it finished.
+inline void (*stream_enqueue_hook)(cudaStream_t, void (*run)(void*), void (*destroy)(void*), void*) = nullptr;
+
+template <typename Args>
+void launch_on(cudaStream_t stream, void (*kernel)(Args), int nblocks, int threads, const Args& args) {
+  if (stream_enqueue_hook == nullptr) return launch(kernel, nblocks, threads, args);
+  struct Work {  // the arguments are copied at the launch, as CUDA copies them
+    void (*kernel)(Args);
+    int nblocks, threads;
+    Args args;
+    LaunchOptions opts;
+  };
+  stream_enqueue_hook(
+      stream,
+      [](void* p) {
+        const Work* w = static_cast<const Work*>(p);
+        options = w->opts;
+        launch(w->kernel, w->nblocks, w->threads, w->args);
+      },
+      [](void* p) { delete static_cast<Work*>(p); }, new Work{kernel, nblocks, threads, args, options});
+}
+
 }  // namespace sim
 
 #define threadIdx (::sim::this_fiber().tid)
