@@ -81,10 +81,12 @@ void note(const char* fmt, ...) {
 enum class Kind { kDevice, kPeerMapping, kHost };
 
 struct Allocation {
-  size_t size;
+  size_t size;  // usable bytes from the base
   Kind kind;
   int device;
-  int fd;  // kDevice: the memfd; else -1
+  int fd;           // kDevice: the memfd; else -1
+  char* map_start;  // what to unmap, and (device memory) to protect
+  size_t map_bytes;
 };
 
 std::mutex memory_mutex;
@@ -113,7 +115,7 @@ int device_work_depth = 0;  // under memory_mutex
 
 void protect_device_memory(int prot) {
   for (auto& [base, a] : allocations) {
-    if (a.kind != Kind::kHost) mprotect(reinterpret_cast<void*>(base), a.size, prot);
+    if (a.kind != Kind::kHost) mprotect(a.map_start, a.map_bytes, prot);
   }
 }
 
@@ -302,6 +304,34 @@ void synchronize_device() {
   }
   for (Stream* s : all) s->wait_for(s->ticket());
   synchronize(nullptr);
+}
+
+// Device memory is mapped so that its last byte is followed by a guard page
+// (the base is 256-byte aligned, as cudaMalloc's): an access past the end of
+// an allocation faults, where on a GPU it would land in whatever lies next.
+constexpr size_t kAllocAlign = 256;
+
+struct Mapping {
+  char* start = nullptr;  // the file's mapping (the guard page follows it)
+  size_t bytes = 0;
+  char* base = nullptr;
+};
+
+Mapping map_device_memory(int fd, size_t usable, int prot) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t file = page_round(usable);
+  void* reserved = mmap(nullptr, file + page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) return {};
+  if (mmap(reserved, file, prot, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+    munmap(reserved, file + page);
+    return {};
+  }
+  char* start = static_cast<char*>(reserved);
+  return {start, file, start + file - usable};
+}
+
+void unmap_device_memory(const Allocation& a) {
+  munmap(a.map_start, a.map_bytes + size_t(sysconf(_SC_PAGESIZE)));
 }
 
 // The legacy IPC handle's 64 bytes, as this emulation fills them.
@@ -497,21 +527,22 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 cudaError_t cudaMalloc(void** p, size_t n) {
   if (p == nullptr) return fail(cudaErrorInvalidValue);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
-  const size_t size = page_round(n == 0 ? 1 : n);
+  const size_t usable = (std::max<size_t>(n, 1) + kAllocAlign - 1) / kAllocAlign * kAllocAlign;
   const int fd = memfd_create("pyallreduce-emulated-device", MFD_CLOEXEC);
-  if (fd < 0 || ftruncate(fd, off_t(size)) != 0) {
+  if (fd < 0 || ftruncate(fd, off_t(page_round(usable))) != 0) {
     if (fd >= 0) close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
   std::lock_guard<std::mutex> lock(memory_mutex);
-  void* base = mmap(nullptr, size, new_mapping_prot(), MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED) {
+  const Mapping m = map_device_memory(fd, usable, new_mapping_prot());
+  if (m.base == nullptr) {
     close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
-  allocations[reinterpret_cast<uintptr_t>(base)] = Allocation{size, Kind::kDevice, current_device, fd};
-  *p = base;
-  note("cudaMalloc(%zu) -> %p", n, base);
+  allocations[reinterpret_cast<uintptr_t>(m.base)] =
+      Allocation{usable, Kind::kDevice, current_device, fd, m.start, m.bytes};
+  *p = m.base;
+  note("cudaMalloc(%zu) -> %p", n, m.base);
   return cudaSuccess;
 }
 
@@ -524,7 +555,7 @@ cudaError_t cudaFree(void* p) {
   // "cudaFree: ... cudaErrorInvalidValue if devPtr was not returned by an
   // earlier cudaMalloc" (an interior pointer, a peer mapping, host memory).
   if (it == allocations.end() || it->second.kind != Kind::kDevice) return fail(cudaErrorInvalidValue);
-  munmap(p, it->second.size);
+  unmap_device_memory(it->second);
   close(it->second.fd);
   allocations.erase(it);
   note("cudaFree(%p)", p);
@@ -537,7 +568,8 @@ cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lock(memory_mutex);
-  allocations[reinterpret_cast<uintptr_t>(base)] = Allocation{size, Kind::kHost, current_device, -1};
+  allocations[reinterpret_cast<uintptr_t>(base)] =
+      Allocation{size, Kind::kHost, current_device, -1, static_cast<char*>(base), size};
   *p = base;
   return cudaSuccess;
 }
@@ -550,7 +582,7 @@ cudaError_t cudaFreeHost(void* p) {
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations.end() || it->second.kind != Kind::kHost) return fail(cudaErrorInvalidValue);
-  munmap(p, it->second.size);
+  munmap(it->second.map_start, it->second.map_bytes);
   allocations.erase(it);
   return cudaSuccess;
 }
@@ -674,12 +706,13 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
   const int fd = open(path, O_RDWR | O_CLOEXEC);
   if (fd < 0) return fail(cudaErrorMapBufferObjectFailed);
   std::lock_guard<std::mutex> lock(memory_mutex);
-  void* base = mmap(nullptr, h.size, new_mapping_prot(), MAP_SHARED, fd, 0);
+  const Mapping m = map_device_memory(fd, h.size, new_mapping_prot());
   close(fd);
-  if (base == MAP_FAILED) return fail(cudaErrorMapBufferObjectFailed);
-  allocations[reinterpret_cast<uintptr_t>(base)] = Allocation{h.size, Kind::kPeerMapping, current_device, -1};
-  *p = base;
-  note("cudaIpcOpenMemHandle(pid %lld) -> %p", static_cast<long long>(h.pid), base);
+  if (m.base == nullptr) return fail(cudaErrorMapBufferObjectFailed);
+  allocations[reinterpret_cast<uintptr_t>(m.base)] =
+      Allocation{h.size, Kind::kPeerMapping, current_device, -1, m.start, m.bytes};
+  *p = m.base;
+  note("cudaIpcOpenMemHandle(pid %lld) -> %p", static_cast<long long>(h.pid), m.base);
   return cudaSuccess;
 }
 
@@ -688,7 +721,7 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations.end() || it->second.kind != Kind::kPeerMapping) return fail(cudaErrorInvalidValue);
-  munmap(p, it->second.size);  // later accesses fault, as on a GPU
+  unmap_device_memory(it->second);  // later accesses fault, as on a GPU
   allocations.erase(it);
   return cudaSuccess;
 }
