@@ -22,7 +22,7 @@ if not _C.WITH_CUDA:
     pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
 
 from launch import run_ranks  # noqa: E402
-from reference import DTYPES, exact_input, exact_sum, fp32_reduction, random_input, tolerance  # noqa: E402
+from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input, tolerance  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
 ALGOS = ("one_shot", "two_shot")
@@ -376,6 +376,139 @@ def check_uncapturable_fallback_says_why(rank, world):
         assert torch.equal(comm.all_reduce(y).cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
+def readme_capture_snippet():
+    """The README's GPU snippet (registered buffers and CUDA graphs), as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### On GPUs: registered buffers and CUDA graphs"):]
+    return section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+
+
+def check_readme_capture_snippet(rank, world):
+    """The snippet runs as written (with its names defined first) and its
+    replay reduces the input the graph captured."""
+    torch.cuda.set_device(0)
+    numel = 4099
+    names = {"pyallreduce": pyallreduce, "torch": torch, "graph": torch.cuda.CUDAGraph(),
+             "buf": on_gpu(exact_input(numel, rank, torch.float32, 1)),
+             "x": on_gpu(exact_input(numel, rank, torch.float32, 2))}
+    exec(compile(readme_capture_snippet(), "README.md", "exec"), names)
+    try:
+        torch.cuda.synchronize()
+        assert torch.equal(names["y"].cpu(), exact_sum(numel, world, torch.float32, 2))
+        names["x"].copy_(on_gpu(exact_input(numel, rank, torch.float32, 5)))
+        names["graph"].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(names["y"].cpu(), exact_sum(numel, world, torch.float32, 5))
+    finally:
+        names["comm"].close()
+
+
+# ---- reduce-scatter, all-gather, mismatches, streams, deadlines --------------------------
+
+
+def check_scatter_gather(rank, world):
+    """Reduce-scatter and all-gather against the all-reduce's bits, out of place
+    and with this rank's segment as the alias protocol.h allows, mixed with
+    all-reduces on the same communicator."""
+    torch.cuda.set_device(0)
+    failures = []
+    with make_comm() as comm:
+        for dtype in DTYPES:
+            for segment in (1, 5, 4099):
+                numel = segment * world
+                full = exact_sum(numel, world, dtype, segment)
+                x = on_gpu(exact_input(numel, rank, dtype, segment))
+                mine = full[rank * segment:(rank + 1) * segment]
+                if not torch.equal(comm.reduce_scatter(x).reshape(-1).cpu(), mine):
+                    failures.append(("reduce_scatter", dtype, segment))
+                y = x.clone()
+                comm.reduce_scatter(y, out=y[rank * segment:(rank + 1) * segment])
+                if not torch.equal(y[rank * segment:(rank + 1) * segment].cpu(), mine):
+                    failures.append(("reduce_scatter in place", dtype, segment))
+                if not torch.equal(comm.all_reduce(x).cpu(), full):
+                    failures.append(("all_reduce between", dtype, segment))
+                part = on_gpu(exact_input(segment, rank, dtype, 7))
+                want = torch.cat([exact_input(segment, q, dtype, 7) for q in range(world)])
+                if not torch.equal(comm.all_gather(part).reshape(-1).cpu(), want):
+                    failures.append(("all_gather", dtype, segment))
+                out = on_gpu(torch.zeros(numel, dtype=dtype))
+                out[rank * segment:(rank + 1) * segment].copy_(part)
+                comm.all_gather(out[rank * segment:(rank + 1) * segment], out=out)
+                if not torch.equal(out.cpu(), want):
+                    failures.append(("all_gather in place", dtype, segment))
+    assert not failures, f"rank {rank}: {failures}"
+
+
+def check_mismatches_raise_on_every_rank(rank, world):
+    """Ranks that disagree (size, dtype, op, algorithm, in place, fallback vs
+    kernel) get the same error on every rank, by comm.check() at the latest;
+    nothing is written; the communicator works on."""
+    torch.cuda.set_device(0)
+    problems = []
+    with make_comm() as comm:
+        for name, (first, second) in MISMATCHED_CALLS.items():
+            numel, dtype, op, algo, in_place = first if rank == 0 else second
+            x = on_gpu(exact_input(numel, rank, dtype, 3))
+            out = on_gpu(torch.full((numel,), -1, dtype=dtype))
+            raised = None
+            try:
+                if in_place:
+                    comm.all_reduce_(x, op=op, algo=algo)
+                else:
+                    comm.all_reduce(x, op=op, algo=algo, out=out)
+                comm.check()
+            except RuntimeError as e:
+                raised = str(e)
+            if raised is None or "disagree" not in raised:
+                problems.append((name, "no mismatch error", raised))
+            elif not in_place and not torch.equal(out.cpu(), torch.full((numel,), -1, dtype=dtype)):
+                problems.append((name, "out written"))
+            y = on_gpu(exact_input(100, rank, torch.float32, 1))
+            if not torch.equal(comm.all_reduce(y).cpu(), exact_sum(100, world, torch.float32, 1)):
+                problems.append((name, "wrong sum after the mismatch"))
+    assert not problems, f"rank {rank}: {problems}"
+
+
+def check_two_streams(rank, world):
+    """Calls alternating between two streams without synchronising: each launch
+    waits for the communicator's previous one (launch_in_order)."""
+    torch.cuda.set_device(0)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+    wrong = []
+    with make_comm() as comm:
+        results = []
+        for i in range(40):
+            stream = streams[i % 2]
+            x = on_gpu(exact_input(777 + i, rank, torch.float32, i))
+            stream.wait_stream(torch.cuda.current_stream())  # x's copy is on the current stream
+            with torch.cuda.stream(stream):
+                results.append((i, comm.all_reduce(x, algo=ALGOS[i % 2])))
+                x.record_stream(stream)
+        torch.cuda.synchronize()
+        wrong = [i for i, out in results if not torch.equal(out.cpu(), exact_sum(777 + i, world, torch.float32, i))]
+    assert not wrong, f"rank {rank}: calls {wrong} wrong"
+
+
+def check_deadline_names_the_missing_rank(rank, world):
+    """The last rank makes no call: the others' kernels give up after the
+    deadline, and the error names it; the communicator is unusable then."""
+    torch.cuda.set_device(0)
+    comm = make_comm(timeout=2.0)
+    try:
+        if rank != world - 1:
+            x = on_gpu(exact_input(1000, rank, torch.float32, 1))
+            with pytest.raises(RuntimeError, match=rf"rank {world - 1} never arrived"):
+                comm.all_reduce(x)
+                comm.check()
+            with pytest.raises(RuntimeError, match="unusable"):
+                comm.all_reduce(x)
+        gather(None)  # every rank is done with its kernels
+    finally:
+        comm.close()
+
+
 # ---- many calls back to back ---------------------------------------------------------
 
 
@@ -407,13 +540,22 @@ def check_back_to_back(rank, world):
 
 
 CHECKS = (check_eager, check_random_floats, check_graph, check_graph_reads_inputs_in_place, check_graph_table_blocks,
-          check_registered, check_back_to_back)
+          check_registered, check_back_to_back, check_scatter_gather, check_mismatches_raise_on_every_rank,
+          check_two_streams)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
 def test_on_one_gpu(check, world):
     run_ranks(check, world, timeout=RUN_TIMEOUT)
+
+
+def test_deadline_names_the_missing_rank():
+    run_ranks(check_deadline_names_the_missing_rank, 2, timeout=RUN_TIMEOUT)
+
+
+def test_readme_capture_snippet_runs_as_written():
+    run_ranks(check_readme_capture_snippet, 2, timeout=RUN_TIMEOUT)
 
 
 def test_uncapturable_fallback_says_why():

@@ -6,9 +6,11 @@
   real runtime); also installed as libcuda.so.1, which torch opens itself;
 * build/emulated/pkg/pyallreduce: the package's Python files (links) with an
   extension built from the same sources as setup.py's, except that the kernels
-  are csrc/cuda/kernels.cu over the host shim (tests/emulated/kernels.cpp).
+  are csrc/cuda/kernels.cu over the host shim (tests/emulated/kernels.cpp);
+  with --coverage, build/emulated/pkg-coverage, instrumented for gcov
+  (tests/emulated/coverage.py).
 
-    python tests/emulated/build_emulated.py     # prints the environment to run under
+    python tests/emulated/build_emulated.py [--coverage]   # prints the environment to run under
 
 Rebuilt only when an input changed (content hash). environment() is what a
 process needs to run on the emulation: LD_PRELOAD, LD_LIBRARY_PATH, PYTHONPATH.
@@ -35,7 +37,6 @@ def cuda_include():
 
 OUT = ROOT / "build" / "emulated"
 LIB = OUT / "lib"
-PKG = OUT / "pkg"
 RUNTIME = LIB / "libcudart_emulated.so"
 # setup.py's sources, with the kernels on the host shim.
 EXTENSION_SOURCES = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp", "tests/emulated/cuda_glue.cpp",
@@ -106,8 +107,18 @@ def extension_inputs():
                                                               ROOT / "tests" / "sim" / "cuda_shim.h", Path(__file__)]
 
 
-def build_extension():
-    """The extension, built in build/emulated/obj (ninja: only what changed)."""
+def objects(coverage=False):
+    """Where the extension's objects are built (ninja: only what changed)."""
+    return OUT / ("obj-coverage" if coverage else "obj")
+
+
+def package(coverage=False):
+    return OUT / ("pkg-coverage" if coverage else "pkg")
+
+
+def build_extension(coverage=False):
+    """The extension; with coverage, instrumented for gcov (-O0 --coverage),
+    in a folder of its own."""
     include = cuda_include()
     # cpp_extension reads these when imported: the toolkit (for cuda_runtime.h
     # and linking libcudart, which the emulation overrides) and an arch list,
@@ -117,18 +128,19 @@ def build_extension():
     import torch
     from torch.utils import cpp_extension
 
-    digest = inputs_digest(extension_inputs(), torch.__version__)
-    stamp = OUT / "extension.sha256"
-    target = PKG / "pyallreduce" / f"_C{sysconfig_suffix()}"
+    flags = CXX_FLAGS + (["-O0", "--coverage", "-DPYALLREDUCE_EMULATED_COVERAGE"] if coverage else [])
+    digest = inputs_digest(extension_inputs(), torch.__version__ + " ".join(flags))
+    obj = objects(coverage)
+    stamp = obj / "extension.sha256"
+    target = package(coverage) / "pyallreduce" / f"_C{sysconfig_suffix()}"
     if target.exists() and stamp.exists() and stamp.read_text() == digest:
         return target
-    obj = OUT / "obj"
     obj.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="_C", sources=[str(ROOT / s) for s in EXTENSION_SOURCES], build_directory=str(obj),
-        extra_cflags=CXX_FLAGS, extra_include_paths=[include, str(ROOT / "csrc")],
-        extra_ldflags=["-lrt", f"-L{Path(include).parent / 'lib64'}", "-lcudart"], with_cuda=True,
-        is_python_module=False, verbose=False)
+        extra_cflags=flags, extra_include_paths=[include, str(ROOT / "csrc")],
+        extra_ldflags=["-lrt", f"-L{Path(include).parent / 'lib64'}", "-lcudart"] + (["--coverage"] if coverage else []),
+        with_cuda=True, is_python_module=False, verbose=False)
     built = obj / "_C.so"
     make_package(built, target)
     stamp.write_text(digest)
@@ -156,21 +168,21 @@ def make_package(built, target):
     target.symlink_to(built)
 
 
-def environment():
+def environment(coverage=False):
     """What a process needs to run on the emulation (added to os.environ by the caller)."""
-    python_path = [str(PKG), str(ROOT / "tests")]
+    python_path = [str(package(coverage)), str(ROOT / "tests")]
     if os.environ.get("PYTHONPATH"):
         python_path.append(os.environ["PYTHONPATH"])
     ld_path = [str(LIB)] + ([os.environ["LD_LIBRARY_PATH"]] if os.environ.get("LD_LIBRARY_PATH") else [])
     return {"LD_PRELOAD": str(RUNTIME), "LD_LIBRARY_PATH": ":".join(ld_path), "PYTHONPATH": ":".join(python_path)}
 
 
-def build():
+def build(coverage=False):
     build_runtime()
-    build_extension()
-    return environment()
+    build_extension(coverage)
+    return environment(coverage)
 
 
 if __name__ == "__main__":
-    for key, value in build().items():
+    for key, value in build(coverage="--coverage" in sys.argv[1:]).items():
         print(f"export {key}={value}")

@@ -21,3 +21,17 @@ const bool hooked = [] {
   return true;
 }();
 }  // namespace
+
+#ifdef PYALLREDUCE_EMULATED_COVERAGE
+// gcov writes its counts at exit, but test ranks end with os._exit (as
+// multiprocessing's children do): the emulated runtime's _exit runs this first.
+extern "C" void __gcov_dump(void);
+extern "C" __attribute__((weak)) void pyallreduce_emulated_before_exit(void (*)(void));
+
+namespace {
+const bool dumps_counts = [] {
+  if (pyallreduce_emulated_before_exit != nullptr) pyallreduce_emulated_before_exit(__gcov_dump);
+  return true;
+}();
+}  // namespace
+#endif
