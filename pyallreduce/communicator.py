@@ -710,6 +710,7 @@ class Communicator:
         if reason is not None:
             if not torch.compiler.is_compiling():
                 log_once(f"torch.distributed used for {'reduce_scatter' if scatters else 'all_gather'}: {reason}")
+                self._check_reference_capturable(reason)
             self._agree(src, dst, average, _C.MODE_FALLBACK, algo)
             return self._reference_scatter_or_gather(scatters, src, dst, average)
         if nbytes == 0:
@@ -862,7 +863,7 @@ class Communicator:
         backend = str(dist.get_backend(self.group))
         if "nccl" not in backend:
             raise RuntimeError(
-                f"pyallreduce: this all-reduce goes to torch.distributed ({reason}), and the group's backend "
+                f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "
                 f"{backend!r} cannot run inside a CUDA graph capture; give the Communicator a group with NCCL "
                 "for CUDA tensors, or make this call outside the capture")
 

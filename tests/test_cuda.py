@@ -359,9 +359,10 @@ def check_registered(rank, world):
 
 
 def check_uncapturable_fallback_says_why(rank, world):
-    """float64 goes to torch.distributed, here over gloo, which a CUDA graph
-    cannot capture: the call must say so (not invalidate the capture with
-    CUDA's bare error), and the communicator must work on afterwards."""
+    """float64 all-reduces and reduce-scatters go to torch.distributed, here over
+    gloo, which a CUDA graph cannot capture: each call must say so (not
+    invalidate the capture with CUDA's bare error), and the communicator must
+    work on afterwards."""
     torch.cuda.set_device(0)
     with make_comm() as comm:
         x = on_gpu(exact_input(1000, rank, torch.float64, 3))
@@ -370,6 +371,10 @@ def check_uncapturable_fallback_says_why(rank, world):
         with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
             with torch.cuda.graph(graph):
                 comm.all_reduce(x)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                comm.reduce_scatter(x)
         del graph
         assert torch.equal(comm.all_reduce(x).cpu(), exact_sum(1000, world, torch.float64, 3))
         y = on_gpu(exact_input(1000, rank, torch.float32, 3))
