@@ -51,6 +51,7 @@ def main():
     from launch import free_port
 
     port = free_port()
+    os.environ["PYALLREDUCE_TEST_TRACE"] = "1"  # test_cuda.trace: each rank names the iteration it starts
     debugger = shutil.which("cuda-gdb") or shutil.which("gdb")
     procs = []
     for r in range(args.world):

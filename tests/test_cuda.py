@@ -8,6 +8,7 @@ Skipped without a GPU or without the CUDA kernels in the build.
 """
 import hashlib
 import os
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,13 @@ def gather(obj):
 # ---- eager ---------------------------------------------------------------------------
 
 
+def trace(rank, *what):
+    """With PYALLREDUCE_TEST_TRACE set (tests/gpu_debug.py sets it), each rank
+    names the iteration it starts: the last line before a crash names it."""
+    if os.environ.get("PYALLREDUCE_TEST_TRACE"):
+        print(f"rank {rank}:", *what, file=sys.stderr, flush=True)
+
+
 def check_eager(rank, world):
     torch.cuda.set_device(0)
     failures = []
@@ -116,6 +124,7 @@ def check_eager(rank, world):
         for dtype in DTYPES:
             for numel in sizes_for(dtype):
                 for algo in ALGOS:
+                    trace(rank, dtype, numel, algo)
                     salt = numel % 97
                     want_sum = exact_sum(numel, world, dtype, salt)
                     x = on_gpu(exact_input(numel, rank, dtype, salt))
