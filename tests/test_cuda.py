@@ -396,7 +396,7 @@ def readme_capture_snippet():
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = text[text.index("### On GPUs: registered buffers and CUDA graphs"):]
-    return section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    return section.split("```python", 1)[1].split("```", 1)[0]
 
 
 def check_readme_capture_snippet(rank, world):

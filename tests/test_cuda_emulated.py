@@ -46,12 +46,8 @@ def emulated_env():
     return {**os.environ, **build_emulated.environment()}
 
 
-def run_pytest_on_emulation(env, *args, timeout=1500):
-    # -P and cwd build/emulated: neither the test process nor the ranks' fork
-    # server may find the repository's own pyallreduce (the real extension)
-    # before the emulated package on PYTHONPATH.
-    cmd = [sys.executable, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args]
-    proc = subprocess.run(cmd, cwd=build_emulated.OUT, env=env, capture_output=True, text=True, timeout=timeout)
+def run_pytest_on_emulation(env, *args):
+    proc = build_emulated.run_pytest(env, args, timeout=1500)
     return proc.returncode, proc.stdout + proc.stderr
 
 

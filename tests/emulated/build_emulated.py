@@ -15,6 +15,7 @@
 Rebuilt only when an input changed (content hash). environment() is what a
 process needs to run on the emulation: LD_PRELOAD, LD_LIBRARY_PATH, PYTHONPATH.
 """
+import functools
 import hashlib
 import importlib.util
 import os
@@ -27,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+@functools.cache
 def cuda_include():
     """tests/sim/build.py's: the toolkit's include folder."""
     spec = importlib.util.spec_from_file_location("sim_build", ROOT / "tests" / "sim" / "build.py")
@@ -103,8 +105,9 @@ def build_runtime():
 
 def extension_inputs():
     headers = sorted((ROOT / "csrc").rglob("*.h")) + sorted((ROOT / "csrc").rglob("*.cuh"))
-    return [ROOT / s for s in EXTENSION_SOURCES] + headers + [ROOT / "csrc" / "cuda" / "kernels.cu", ROOT / "csrc" / "cuda" / "all_reduce.cpp",
-                                                              ROOT / "tests" / "sim" / "cuda_shim.h", Path(__file__)]
+    included = [ROOT / "csrc" / "cuda" / "kernels.cu", ROOT / "csrc" / "cuda" / "all_reduce.cpp",
+                ROOT / "tests" / "sim" / "cuda_shim.h"]  # through tests/emulated/*.cpp
+    return [ROOT / s for s in EXTENSION_SOURCES] + headers + included + [Path(__file__)]
 
 
 def objects(coverage=False):
@@ -175,6 +178,15 @@ def environment(coverage=False):
         python_path.append(os.environ["PYTHONPATH"])
     ld_path = [str(LIB)] + ([os.environ["LD_LIBRARY_PATH"]] if os.environ.get("LD_LIBRARY_PATH") else [])
     return {"LD_PRELOAD": str(RUNTIME), "LD_LIBRARY_PATH": ":".join(ld_path), "PYTHONPATH": ":".join(python_path)}
+
+
+def run_pytest(env, args, timeout=None):
+    """pytest on the emulation, in env (environment() added). -P and the cwd
+    build/emulated: neither the test process nor the ranks' fork server may
+    find the repository's own pyallreduce (the real extension) before the
+    emulated package on PYTHONPATH."""
+    cmd = [sys.executable, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args]
+    return subprocess.run(cmd, cwd=OUT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def build(coverage=False):

@@ -28,10 +28,7 @@ def run_tests(select=None):
     env = {**os.environ, **build_emulated.build(coverage=True)}
     for gcda in build_emulated.objects(coverage=True).glob("*.gcda"):
         gcda.unlink()
-    cmd = [sys.executable, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-q", str(ROOT / "tests" / "test_cuda.py")]
-    if select:
-        cmd += ["-k", select]
-    tests = subprocess.run(cmd, cwd=build_emulated.OUT, env=env, capture_output=True, text=True)
+    tests = build_emulated.run_pytest(env, [str(ROOT / "tests" / "test_cuda.py"), *(["-k", select] if select else [])])
     return (tests.stdout.strip().splitlines() or [""])[-1], tests.returncode
 
 

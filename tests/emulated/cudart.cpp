@@ -143,7 +143,6 @@ struct Stream {
   uint64_t done = 0;      // tasks finished
   bool destroyed = false;
   bool blocking = true;   // synchronises with the legacy default stream
-  int device = 0;
   int priority = 0;
   struct Capture* capture = nullptr;  // under streams_mutex: the capture sequence recording this stream
 
@@ -287,9 +286,19 @@ int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
   }));
 }
 
-bool capturing(cudaStream_t handle) {
-  std::lock_guard<std::mutex> lock(streams_mutex);
-  return stream_of(handle)->capture != nullptr;
+// Synchronising with a stream being captured (a sync, a query, a copy the
+// host waits for), or any sync while this thread may make no unsafe call,
+// fails and invalidates the capture.
+bool refuse_sync_of(cudaStream_t handle) {
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    Stream* s = stream_of(handle);
+    if (s->capture != nullptr) {
+      s->capture->invalidated = true;
+      return true;
+    }
+  }
+  return unsafe_call_prohibited();
 }
 
 void synchronize(cudaStream_t handle) {
@@ -345,15 +354,18 @@ struct Handle {
 constexpr uint64_t kHandleMagic = 0x707961725f697063ull;  // "pyar_ipc"
 static_assert(sizeof(Handle) <= sizeof(cudaIpcMemHandle_t));
 
-// Bytes of any of our allocations, or host memory the caller owns: all of it
-// is addressable here, so a copy is a memmove. A device pointer that is not
-// (or no longer) allocated is an error, as on a GPU.
-bool valid_range(const void* p, size_t n, bool host_ok) {
-  if (n == 0) return true;
+// Where [p, p + n) lies: inside one device allocation (ours or a peer's
+// mapping), inside pinned host memory, or in host memory the caller owns
+// (pageable); kInvalid when it starts in an allocation and runs past its end
+// (or the allocation is gone), which fails as on a GPU.
+enum class Side { kDevice, kPinned, kPageable, kInvalid };
+
+Side side_of(const void* p, size_t n) {
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = find_allocation(p);
-  if (it == allocations.end()) return host_ok;
-  return reinterpret_cast<uintptr_t>(p) + n <= it->first + it->second.size;
+  if (it == allocations.end()) return Side::kPageable;
+  if (reinterpret_cast<uintptr_t>(p) + n > it->first + it->second.size) return Side::kInvalid;
+  return it->second.kind == Kind::kHost ? Side::kPinned : Side::kDevice;
 }
 
 }  // namespace
@@ -632,24 +644,16 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
 
 // "API synchronization behavior": a copy between device memory and pageable
 // host memory returns once the host side is safe (here: when the copy is
-// done); device to device, and anything with pinned host memory, returns at
-// once, also from the synchronous cudaMemcpy ("for transfers from device
-// memory to device memory, no host-side synchronization is performed").
-enum class Side { kDevice, kPinned, kPageable };
-
-Side side_of(const void* p) {
-  std::lock_guard<std::mutex> lock(memory_mutex);
-  auto it = find_allocation(p);
-  if (it == allocations.end()) return Side::kPageable;
-  return it->second.kind == Kind::kHost ? Side::kPinned : Side::kDevice;
-}
-
-cudaError_t copy(void* dst, const void* src, size_t n, cudaStream_t stream, bool host_waits_anyway) {
-  if (!valid_range(dst, n, true) || !valid_range(src, n, true)) return fail(cudaErrorInvalidValue);
+// done); one with pinned host memory returns at once; the synchronous
+// cudaMemcpy waits too, except from device to device ("for transfers from
+// device memory to device memory, no host-side synchronization is performed").
+cudaError_t copy(void* dst, const void* src, size_t n, cudaStream_t stream, bool synchronous_call) {
   if (n == 0) return cudaSuccess;
-  const bool pageable = side_of(dst) == Side::kPageable || side_of(src) == Side::kPageable;
-  const bool host_waits = pageable || host_waits_anyway;
-  if (host_waits && (capturing(stream) || unsafe_call_prohibited())) return fail(cudaErrorStreamCaptureUnsupported);
+  const Side to = side_of(dst, n), from = side_of(src, n);
+  if (to == Side::kInvalid || from == Side::kInvalid) return fail(cudaErrorInvalidValue);
+  const bool device_to_device = to == Side::kDevice && from == Side::kDevice;
+  const bool host_waits = to == Side::kPageable || from == Side::kPageable || (synchronous_call && !device_to_device);
+  if (host_waits && refuse_sync_of(stream)) return fail(cudaErrorStreamCaptureUnsupported);
   const int64_t ticket = enqueue(stream, [=] {
     DeviceWork work;
     std::memmove(dst, src, n);
@@ -660,8 +664,7 @@ cudaError_t copy(void* dst, const void* src, size_t n, cudaStream_t stream, bool
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
-  const bool device_to_device = side_of(dst) == Side::kDevice && side_of(src) == Side::kDevice;
-  return copy(dst, src, n, nullptr, /*host_waits_anyway=*/!device_to_device);
+  return copy(dst, src, n, nullptr, /*synchronous_call=*/true);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t stream) {
@@ -685,7 +688,8 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, 
 // Asynchronous for device memory ("the cudaMemset functions are asynchronous
 // with respect to the host except when the target is pinned host memory").
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t stream) {
-  if (!valid_range(p, n, false)) return fail(cudaErrorInvalidValue);
+  const Side side = side_of(p, n);
+  if (n > 0 && (side == Side::kInvalid || side == Side::kPageable)) return fail(cudaErrorInvalidValue);
   const int64_t ticket = enqueue(stream, [=] {
     DeviceWork work;
     std::memset(p, v, n);
@@ -748,7 +752,6 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* handle, unsigned int flags, int priority) {
   auto* s = new Stream;
   s->blocking = (flags & cudaStreamNonBlocking) == 0;
-  s->device = current_device;
   s->priority = priority;
   {
     std::lock_guard<std::mutex> lock(streams_mutex);
@@ -773,20 +776,6 @@ cudaError_t cudaStreamDestroy(cudaStream_t handle) {
   s->cv.notify_all();
   return cudaSuccess;
 }
-// Synchronising a stream being captured, or any while this thread may make
-// no unsafe call, fails and invalidates the capture.
-bool refuse_sync_of(cudaStream_t handle) {
-  {
-    std::lock_guard<std::mutex> lock(streams_mutex);
-    Stream* s = stream_of(handle);
-    if (s->capture != nullptr) {
-      s->capture->invalidated = true;
-      return true;
-    }
-  }
-  return unsafe_call_prohibited();
-}
-
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   if (refuse_sync_of(s)) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize(s);
