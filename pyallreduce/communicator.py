@@ -359,7 +359,7 @@ class Communicator:
 
         ptr, kept, error, found = tensor.data_ptr(), [], None, False
         try:
-            torch.cuda.synchronize(self.device)
+            _C.cuda_synchronize(self.device.index)
             found = _C.cuda_unregister_buffer(self._handle, ptr)
             kept, error = self._transport.unregister(ptr)
         except RuntimeError as e:
@@ -463,7 +463,7 @@ class Communicator:
             return
         buffers = [(calls[k][1], calls[k][2]) for k in zero_copy]
         try:  # no kernel of ours may read an entry while it changes, on any rank
-            torch.cuda.synchronize(self.device)
+            _C.cuda_synchronize(self.device.index)
         except RuntimeError as e:  # the peers still take part in the exchange below
             buffers = [f"synchronising the device failed: {e}"] * len(zero_copy)
         try:

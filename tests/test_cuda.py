@@ -9,6 +9,7 @@ Skipped without a GPU or without the CUDA kernels in the build.
 import hashlib
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -513,7 +514,7 @@ def check_deadline_names_the_missing_rank(rank, world):
     try:
         if rank != world - 1:
             x = on_gpu(exact_input(1000, rank, torch.float32, 1))
-            with pytest.raises(RuntimeError, match=rf"rank {world - 1} never arrived"):
+            with pytest.raises(RuntimeError, match=rf"collective call \d+ .*rank\(s\) {world - 1} never arrived"):
                 comm.all_reduce(x)
                 comm.check()
             with pytest.raises(RuntimeError, match="unusable"):
@@ -521,6 +522,49 @@ def check_deadline_names_the_missing_rank(rank, world):
         gather(None)  # every rank is done with its kernels
     finally:
         comm.close()
+
+
+def check_beside_another_threads_capture(rank, world):
+    """Another thread of the process captures a CUDA graph in global mode
+    (torch.cuda.graph's default) while this one makes collective calls, checks,
+    raises a mismatch, opens a comm.capture() and closes the communicator: none of our CUDA calls
+    may be one that global mode prohibits then (an allocation, a wait, a
+    device-wide sync), or the other thread's capture is invalidated and our
+    call fails. Tensors are made before: torch's own allocations would be."""
+    torch.cuda.set_device(0)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 3))
+    capturing, done, errors = threading.Event(), threading.Event(), []
+
+    def capture_in_another_thread():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin()
+                capturing.set()
+                done.wait(RUN_TIMEOUT)
+                graph.capture_end()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+        capturing.set()
+
+    thread = threading.Thread(target=capture_in_another_thread)
+    thread.start()
+    try:
+        assert capturing.wait(RUN_TIMEOUT)
+        comm.all_reduce_(x)
+        comm.check()  # waits for our kernels
+        with pytest.raises(RuntimeError, match="disagree"):  # raised once our kernels are done
+            comm.all_reduce_(x[:500] if rank == 0 else x)
+            comm.check()
+        with comm.capture():  # the graph table: an allocation, a zeroing, a wait
+            pass
+        comm.close()  # frees, unmaps
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, f"the other thread's capture failed: {errors[0]}"
+    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
 # ---- many calls back to back ---------------------------------------------------------
@@ -570,6 +614,10 @@ def test_deadline_names_the_missing_rank():
 
 def test_readme_capture_snippet_runs_as_written():
     run_ranks(check_readme_capture_snippet, 2, timeout=RUN_TIMEOUT)
+
+
+def test_beside_another_threads_capture():
+    run_ranks(check_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
 
 
 def test_uncapturable_fallback_says_why():

@@ -79,6 +79,9 @@ class FakeGraphTable:
         self.calls, self.fail_set, self.fail_begin = calls, fail_set, fail_begin
         self.opened, self.entries, self.reset = False, None, None
 
+    def cuda_synchronize(self, device):
+        pass
+
     def cuda_graph_capture_begin(self, handle, block_entries):
         if self.fail_begin:
             raise RuntimeError("cudaMalloc failed")
@@ -129,8 +132,7 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
     error = None
     with mock.patch.object(communicator, "_C", table), \
-            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False), \
-            mock.patch.object(torch.cuda, "synchronize", lambda device=None: None):
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
         try:
             with comm.capture():
                 assert table.opened and comm._capturing

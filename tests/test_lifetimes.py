@@ -149,6 +149,9 @@ class FakeCuda:
     def cuda_alloc_region(self, device, nbytes):
         return memory(self.rank, 0)
 
+    def cuda_synchronize(self, device):
+        self.events.append(("sync",))
+
     def cuda_free_region(self, device, addr):
         self.events.append(("free", addr))
 
@@ -220,8 +223,8 @@ class FakeCudaTensor:
 
 
 def stubbed(fn):
-    """Runs fn(rank, world, fake, cuda_ipc, *args) with _C's CUDA functions and
-    device synchronisation replaced (the latter recorded as ("sync",))."""
+    """Runs fn(rank, world, fake, cuda_ipc, *args) with _C's CUDA functions
+    replaced (a device synchronisation recorded as ("sync",))."""
     @functools.wraps(fn)
     def run(rank, world, *args):
         from unittest import mock
@@ -231,8 +234,7 @@ def stubbed(fn):
 
         fake = FakeCuda(rank)
         with mock.patch.object(cuda_ipc, "_C", fake), mock.patch.object(communicator, "_C", fake), \
-                mock.patch.object(cuda_ipc, "_parked", [], create=True), \
-                mock.patch.object(torch.cuda, "synchronize", lambda device=None: fake.events.append(("sync",))):
+                mock.patch.object(cuda_ipc, "_parked", [], create=True):
             return fn(rank, world, fake, cuda_ipc, *args)
     return run
 

@@ -127,6 +127,7 @@ BuffersIter erase_buffers(BuffersIter it) {
   if (graph.open) open_graph_tables.fetch_sub(1);
   if (!graph.blocks.empty()) {
     try {
+      RelaxedCaptureScope relaxed;
       c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(graph.device_index));
       for (GraphBlock& block : graph.blocks) {
         if (cudaFree(block.device) != cudaSuccess) cudaGetLastError();
@@ -239,25 +240,30 @@ void upload_entries(GraphTable& graph, const std::vector<int64_t>& slots) {
     r.first = std::min(r.first, slot % graph.block_entries);
     r.second = std::max(r.second, slot % graph.block_entries + 1);
   }
-  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(graph.device_index));
+  const auto device = static_cast<c10::DeviceIndex>(graph.device_index);
+  RelaxedCaptureScope relaxed;  // a copy from pageable memory: the host waits
+  c10::cuda::CUDAGuard device_guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   for (size_t b = 0; b < ranges.size(); ++b) {
     const auto [first, last] = ranges[b];
     if (first >= last) continue;
-    C10_CUDA_CHECK(cudaMemcpy(graph.blocks[b].device + first, graph.blocks[b].host.data() + first,
-                              sizeof(cuda::GraphEntry) * static_cast<size_t>(last - first),
-                              cudaMemcpyHostToDevice));
+    C10_CUDA_CHECK(cudaMemcpyAsync(graph.blocks[b].device + first, graph.blocks[b].host.data() + first,
+                                   sizeof(cuda::GraphEntry) * static_cast<size_t>(last - first),
+                                   cudaMemcpyHostToDevice, stream));
   }
-  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  C10_CUDA_CHECK(wait_relaxed(nullptr, stream));
 }
 
 // A zeroed block of n entries (every entry kStaged).
 GraphBlock allocate_block(int device, int64_t n) {
+  RelaxedCaptureScope relaxed;
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
   const size_t nbytes = sizeof(cuda::GraphEntry) * static_cast<size_t>(n);
   void* ptr = nullptr;
   C10_CUDA_CHECK(cudaMalloc(&ptr, nbytes));
-  cudaError_t err = cudaMemset(ptr, 0, nbytes);
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  cudaError_t err = cudaMemsetAsync(ptr, 0, nbytes, stream);
+  if (err == cudaSuccess) err = wait_relaxed(nullptr, stream);
   if (err != cudaSuccess) {
     cudaFree(ptr);
     C10_CUDA_CHECK(err);
@@ -299,6 +305,7 @@ std::mutex status_mutex;
 std::unordered_map<const Context*, StatusRecord> status_by_context;
 
 void free_status(StatusRecord& rec) {
+  RelaxedCaptureScope relaxed;
   if (rec.host != nullptr && cudaFreeHost(rec.host) != cudaSuccess) cudaGetLastError();
   if (rec.claim != nullptr && cudaFree(rec.claim) != cudaSuccess) cudaGetLastError();
   if (rec.launched != nullptr && cudaEventDestroy(rec.launched) != cudaSuccess) cudaGetLastError();
@@ -320,6 +327,7 @@ StatusRecord& status_of(Context& ctx) {
 void cuda_prepare(int64_t handle) {
   std::shared_ptr<Context> ctx = get_context(handle);
   TORCH_CHECK(ctx->is_cuda, "pyallreduce: cuda_prepare needs a CUDA communicator");
+  RelaxedCaptureScope relaxed;  // allocations: see ipc.h
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx->device));
   std::lock_guard<std::mutex> lock(status_mutex);
   StatusRecord& rec = status_by_context[ctx.get()];
@@ -332,9 +340,10 @@ void cuda_prepare(int64_t handle) {
   cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
   void* claim = nullptr;
   if (err == cudaSuccess) err = cudaMalloc(&claim, sizeof(uint32_t));
-  // Zeroed before any kernel can claim it (on the legacy stream: synchronised).
-  if (err == cudaSuccess) err = cudaMemset(claim, 0, sizeof(uint32_t));
-  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
+  // Zeroed before any kernel can claim it.
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx->device));
+  if (err == cudaSuccess) err = cudaMemsetAsync(claim, 0, sizeof(uint32_t), stream);
+  if (err == cudaSuccess) err = wait_relaxed(nullptr, stream);
   cudaEvent_t launched = nullptr;
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&launched, cudaEventDisableTiming);
   if (err != cudaSuccess) {
@@ -366,19 +375,9 @@ void launch_in_order(StatusRecord& rec, cudaStream_t stream, bool capturing, Lau
 // Waits until no kernel of this communicator can still write its record: its
 // last eager launch (every earlier one ran before it: launch_in_order) and
 // what `stream`, the caller's current stream, holds (a replayed graph runs
-// there, ordered with the eager calls as comm.capture() requires). Not
-// cudaDeviceSynchronize: that waits for every stream of the device, NCCL's
-// too, and is prohibited while another thread captures in global mode. This
-// thread's capture mode is relaxed around the waits, which touch no stream
-// that another thread captures.
+// there, ordered with the eager calls as comm.capture() requires).
 void wait_for_kernels(const StatusRecord& rec, cudaStream_t stream) {
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  cudaError_t err = cudaEventSynchronize(rec.launched);  // never recorded: returns at once
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
-  C10_CUDA_CHECK(err);
-  C10_CUDA_CHECK(restored);
+  C10_CUDA_CHECK(wait_relaxed(rec.launched, stream));
 }
 
 // Raises what the kernels recorded, if anything (only a deadline when
@@ -517,13 +516,16 @@ std::vector<int64_t> graph_entry_modes(int64_t handle) {
   std::vector<int64_t> modes;
   if (table == nullptr) return modes;
   GraphTable& graph = table->graph;
+  RelaxedCaptureScope relaxed;  // copies the host waits for
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx->device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ctx->device));
   for (int64_t slot = 0; slot < graph.next_slot; ++slot) {
     if (graph.input[slot] == 0) continue;  // skipped when a new block began
     cuda::GraphEntry entry;  // read back from the device: what the kernels will see
-    C10_CUDA_CHECK(cudaMemcpy(&entry,
-                              graph.blocks[slot / graph.block_entries].device + slot % graph.block_entries,
-                              sizeof(entry), cudaMemcpyDeviceToHost));
+    C10_CUDA_CHECK(cudaMemcpyAsync(&entry,
+                                   graph.blocks[slot / graph.block_entries].device + slot % graph.block_entries,
+                                   sizeof(entry), cudaMemcpyDeviceToHost, stream));
+    C10_CUDA_CHECK(wait_relaxed(nullptr, stream));
     modes.push_back(entry.mode);
   }
   return modes;

@@ -104,21 +104,19 @@ inline const char* barrier_name(uint32_t barrier) {
   return barrier == kBarrierStart ? "start" : barrier == kBarrierMid ? "mid" : "end";
 }
 
-// The error for a kStatusDeadline record of this rank.
+// The error for a kStatusDeadline record of this rank, worded as the CPU and
+// Triton backends word theirs (the rank, the barrier, the call, who is missing).
 inline std::string deadline_message(const CallStatus& st, int rank, int world_size,
                                     int64_t timeout_ns) {
   std::ostringstream s;
-  s << "pyallreduce: rank " << rank << ": rank";
-  int n = 0;
-  for (int q = 0; q < world_size; ++q) n += (st.missing >> q) & 1u;
-  if (n > 1) s << "s";
-  for (int q = 0, k = 0; q < world_size; ++q) {
-    if ((st.missing >> q) & 1u) s << (k++ ? ", " : " ") << q;
+  s << "pyallreduce: rank " << rank << " waited past its " << double(timeout_ns) / 1e9 << " s deadline in the "
+    << barrier_name(st.barrier) << " barrier of collective call " << st.call << " on this communicator (block "
+    << st.block << ", epoch " << st.epoch << "); rank(s)";
+  for (int q = 0; q < world_size; ++q) {
+    if ((st.missing >> q) & 1u) s << " " << q;
   }
-  s << " never arrived at the " << barrier_name(st.barrier) << " barrier (block " << st.block
-    << ", epoch " << st.epoch << ") within " << double(timeout_ns) / 1e9
-    << " s. Every rank must make the same collective calls in the same order. This communicator is "
-       "unusable now (close() it and create a new one on every rank); the CUDA context is fine.";
+  s << " never arrived there. Every rank must make the same collective calls in the same order. This "
+       "communicator is unusable now (close() it and create a new one on every rank); the CUDA context is fine.";
   return s.str();
 }
 

@@ -7,6 +7,7 @@
 #include "ipc.h"
 
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda.h>  // driver types only; nothing from libcuda is linked
 #include <cuda_runtime.h>
@@ -35,7 +36,7 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 // Makes `device` current for the scope, with its primary context created (the
-// driver calls below need a current context).
+// driver calls below need a current context), in a RelaxedCaptureScope.
 class DeviceScope {
  public:
   explicit DeviceScope(int64_t device) : guard_(checked(device)) {
@@ -50,6 +51,7 @@ class DeviceScope {
                 " does not exist (", count, " visible)");
     return static_cast<c10::DeviceIndex>(device);
   }
+  RelaxedCaptureScope relaxed_;  // first: every call below is in it
   c10::cuda::CUDAGuard guard_;
 };
 
@@ -105,14 +107,16 @@ void check_driver(CUresult res, const char* what) {
 
 // A zeroed allocation of its own (not the caching allocator's: exportable with
 // legacy IPC, freed exactly when the transport says). Flags and epochs must be
-// zero before any peer can see the handle, hence the synchronisation.
+// zero before any peer can see the handle, hence the wait (on the current
+// stream, where the zeroing runs: wait_relaxed).
 int64_t alloc_region(int64_t device, int64_t nbytes) {
   TORCH_CHECK(nbytes > 0, "pyallreduce: region size must be positive");
   DeviceScope scope(device);
   void* ptr = nullptr;
   check_cuda(cudaMalloc(&ptr, static_cast<size_t>(nbytes)), "cudaMalloc of the region");
-  cudaError_t err = cudaMemset(ptr, 0, static_cast<size_t>(nbytes));
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  cudaError_t err = cudaMemsetAsync(ptr, 0, static_cast<size_t>(nbytes), stream);
+  if (err == cudaSuccess) err = wait_relaxed(nullptr, stream);
   if (err != cudaSuccess) {
     cudaFree(ptr);
     raise_cuda(err, "zeroing the region");
@@ -220,13 +224,32 @@ int64_t device_by_pci_bus_id(const std::string& bus_id) {
 // then read its buffer before our bytes landed (seen on an H200, 2026-11-26).
 void memcpy_sync(int64_t device, int64_t dst, int64_t src, int64_t nbytes) {
   DeviceScope scope(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
   check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                             static_cast<size_t>(nbytes), cudaMemcpyDefault, nullptr),
+                             static_cast<size_t>(nbytes), cudaMemcpyDefault, stream),
              "cudaMemcpyAsync");
-  check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
+  check_cuda(wait_relaxed(nullptr, stream), "waiting for the copy");
+}
+
+// The device-wide wait of teardown and of changes to what captured kernels
+// read (unregister, graph entries, close): any stream may replay a graph of
+// ours, so every stream is waited for, on purpose. In a RelaxedCaptureScope
+// (DeviceScope), so that another thread's global-mode capture neither fails
+// this nor is invalidated by it; that capture's stream holds no work to wait for.
+void synchronize_device(int64_t device) {
+  DeviceScope scope(device);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 }  // namespace
+
+cudaError_t wait_relaxed(cudaEvent_t event, cudaStream_t stream) {
+  RelaxedCaptureScope relaxed;
+  cudaError_t err = cudaSuccess;
+  if (event != nullptr) err = cudaEventSynchronize(event);  // never recorded: returns at once
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  return err;
+}
 
 void bind_cuda_ipc(pybind11::module_& m) {
   m.def("cuda_alloc_region", &alloc_region, py::arg("device"), py::arg("nbytes"),
@@ -244,6 +267,8 @@ void bind_cuda_ipc(pybind11::module_& m) {
   m.def("cuda_can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
   m.def("cuda_pci_bus_id", &pci_bus_id, py::arg("device"));
   m.def("cuda_device_by_pci_bus_id", &device_by_pci_bus_id, py::arg("bus_id"));
+  m.def("cuda_synchronize", &synchronize_device, py::arg("device"),
+        "waits for every stream of the device (legal beside another thread's capture)");
   m.def("cuda_memcpy", &memcpy_sync, py::arg("device"), py::arg("dst"), py::arg("src"),
         py::arg("nbytes"));
   m.def("cuda_register_buffer", &register_cuda_buffer, py::arg("handle"), py::arg("ptr"),

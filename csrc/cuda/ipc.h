@@ -5,6 +5,8 @@
 // the launcher looks inputs up).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -35,6 +37,30 @@ void cuda_agree(Context& ctx, CallDesc desc);
 // and raises what they recorded: a deadline (naming the ranks that never
 // arrived; marks the context broken) or a mismatch (CallMismatch; cleared).
 void cuda_check(Context& ctx);
+
+// This thread's stream-capture mode is relaxed for the scope. The glue's
+// setup and teardown (allocation, frees, IPC, copies it waits for, waits on
+// its own event and streams) are "potentially unsafe API calls": in the
+// default global mode they fail, and invalidate the capture, while another
+// thread captures in global mode (torch.cuda.graph's default; CUDA Runtime
+// API, cudaStreamBeginCapture and cudaThreadExchangeStreamCaptureMode). None
+// of them touches a stream that another thread captures, so relaxed is safe.
+class RelaxedCaptureScope {
+ public:
+  RelaxedCaptureScope() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureScope() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// Waits until the work enqueued so far on `stream` (and, first, `event`, if
+// not null) has finished, and for nothing else: never cudaDeviceSynchronize,
+// which waits for every stream of the device, NCCL's and the training's too.
+// In a RelaxedCaptureScope. Every wait of the glue goes through here.
+cudaError_t wait_relaxed(cudaEvent_t event, cudaStream_t stream);
 
 // Adds the cuda_* functions to pyallreduce._C (see ipc.cpp for the list).
 void bind_cuda_ipc(pybind11::module_& m);

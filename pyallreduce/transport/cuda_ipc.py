@@ -49,7 +49,7 @@ def synchronize_quietly(device):
     """Waits for the device's kernels, ignoring an unusable device (whose kernels
     run no more). Bounded: every pyallreduce kernel ends at its deadline."""
     try:
-        torch.cuda.synchronize(device)
+        _C.cuda_synchronize(device.index)
     except Exception:  # CUDA errors of a failed device come in several types
         pass
 
@@ -337,7 +337,7 @@ class CudaIpcTransport:
             return
         error = None
         try:
-            torch.cuda.synchronize(self.device)
+            _C.cuda_synchronize(self.device.index)
         except RuntimeError as e:
             error = f"synchronising the device failed: {e}"
         try:

@@ -506,8 +506,9 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
     } else {
       const std::string msg = deadline_message(r.status, r.rank, W, r.cfg.timeout_ns);
       for (int q = 0; q < W; ++q) {  // (single missing ranks in these tests)
-        const bool named = msg.find(": rank " + std::to_string(q) + " never arrived") != std::string::npos;
-        if (((missing >> q) & 1u) && !named) r.fail("deadline message does not name rank %d: %s", q, msg.c_str());
+        const bool named = msg.find("rank(s) " + std::to_string(q) + " never arrived") != std::string::npos &&
+                           msg.find("collective call " + std::to_string(r.status.call) + " ") != std::string::npos;
+        if (((missing >> q) & 1u) && !named) r.fail("deadline message does not name rank %d and the call: %s", q, msg.c_str());
       }
     }
   }
