@@ -115,7 +115,7 @@ def cmdclass():
 setup(
     # Every package by name (tests/test_install.py imports a wheel outside the tree:
     # an editable install would hide one that is missing here).
-    packages=["pyallreduce", "pyallreduce.transport", "pyallreduce.triton_kernels"],
+    packages=["pyallreduce", "pyallreduce.engines", "pyallreduce.transport", "pyallreduce.triton_kernels"],
     package_dir={"pyallreduce": "pyallreduce", "pyallreduce.triton_kernels": "triton_kernels"},
     package_data={"pyallreduce": ["crossovers.json"]},
     ext_modules=extensions(),

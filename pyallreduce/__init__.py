@@ -12,7 +12,7 @@ from . import ddp
 try:  # registers the "pyallreduce" torch.distributed backend
     from . import backend  # noqa: F401
 except (AttributeError, TypeError) as e:  # a torch whose c10d Backend Python cannot subclass
-    from .communicator import log_once
+    from .logs import log_once
 
     log_once(f"the torch.distributed backend 'pyallreduce' is not available with torch {torch.__version__}: {e}")
 from .communicator import DEFAULT_TIMEOUT, Communicator

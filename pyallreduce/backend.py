@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
-from .communicator import Communicator, log_once
+from . import logs
+from .communicator import Communicator
 
 NAME = "pyallreduce"
 INNER_PREFIX = "pyallreduce_inner/"  # the inner backends' keys in the group's store
@@ -269,7 +270,7 @@ class PyallreduceBackend(_C10dBackend):
         """Backend method `name` of the inner backend for the arguments' device
         (gloo when they hold no CUDA tensor), logging `why` once per kind."""
         if why is not None and not self._is_serving():
-            log_once(f"backend {NAME}: {name} is served by the inner backend: {why}")
+            logs.log_once(f"backend {NAME}: {name} is served by the inner backend: {why}")
         return getattr(self._inner_backend(_device_type(args)), name)(*args)
 
     # ---- lifetime ------------------------------------------------------------

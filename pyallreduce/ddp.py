@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .communicator import Communicator, log_once
+from . import logs
+from .communicator import Communicator
 from .protocol import host_id
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -203,7 +204,7 @@ class HookState:
         wire_dtype = self.compression or buffer.dtype
         reason = self._reference_reason(wire_dtype, buffer.numel() * wire_dtype.itemsize)
         if reason is not None:
-            log_once(f"DDP bucket given to torch.distributed.all_reduce: {reason}")
+            logs.log_once(f"DDP bucket given to torch.distributed.all_reduce: {reason}")
             self.reference_calls += 1
             return self._reference(buffer)
         if self._stream is None:

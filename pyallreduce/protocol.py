@@ -10,6 +10,8 @@ import socket
 
 import torch
 
+from . import _C
+
 # The reductions' element types (all-reduce, reduce-scatter); all-gather copies any dtype.
 REDUCED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Overrides the host identity (tests simulate several hosts on one machine).
@@ -60,3 +62,15 @@ def is_own_segment(part, whole, rank):
     size = nbytes(part)
     return (size > 0 and part.is_contiguous() and whole.is_contiguous()
             and part.data_ptr() == whole.data_ptr() + rank * size)
+
+
+def staged_piece_bytes(max_bytes, world_size, collective, element_size):
+    """The GPU backends stage a whole call: the most bytes of each segment one
+    reduce-scatter/all-gather moves (a multiple of the element size), 0 if not
+    one element fits (protocol.h: reduce-scatter stages W segments, each
+    padded to SEGMENT_UNIT)."""
+    if collective == _C.REDUCE_SCATTER:
+        per = max_bytes // world_size // _C.SEGMENT_UNIT * _C.SEGMENT_UNIT
+    else:
+        per = max_bytes
+    return per // element_size * element_size

@@ -111,7 +111,7 @@ def set_counters(comm, epoch, mid):
     region layout is protocol.h's, through pyallreduce._C)."""
     from pyallreduce import _C
 
-    base = comm._transport.regions[comm.rank]
+    base = comm._engine.transport.regions[comm.rank]
     ctypes.c_uint32.from_address(base + _C.EPOCH_OFFSET).value = epoch
     for q in range(comm.world_size):
         ctypes.c_uint32.from_address(base + _C.START_FLAGS_OFFSET + 4 * q).value = epoch

@@ -259,7 +259,7 @@ def check_graph_reads_inputs_in_place(rank, world):
             with torch.cuda.graph(graph):
                 out = comm.all_reduce(x, algo="one_shot")
                 comm.all_reduce_(y, algo="two_shot")
-        staging = comm._transport.regions[rank] + _C.DATA_OFFSET
+        staging = comm._engine.transport.regions[rank] + _C.DATA_OFFSET
         marker = torch.full((2 * comm.max_bytes,), 0xA5, dtype=torch.uint8)
         _C.cuda_memcpy(0, staging, marker.data_ptr(), marker.numel())
         for it in range(10):
@@ -283,10 +283,10 @@ def check_graph_table_blocks(rank, world):
     """Graph tables of 4 entries: a second capture starts a new block (leaving
     a hole), a capture with more calls than free entries keeps the rest
     staged; every replay is still right."""
-    from pyallreduce import communicator
+    from pyallreduce.engines import cuda
 
     torch.cuda.set_device(0)
-    communicator.GRAPH_TABLE_BLOCK = 4
+    cuda.GRAPH_TABLE_BLOCK = 4
     failures = []
     with make_comm() as comm:
         dtype = torch.float32

@@ -5,7 +5,7 @@ half, the graph table the replays read, runs in tests/test_cuda.py on a GPU.)"""
 import pytest
 
 from launch import run_ranks
-from pyallreduce.communicator import CAPTURE_ABORTED, captures_mismatch
+from pyallreduce.engines.cuda import CAPTURE_ABORTED, captures_mismatch
 from pyallreduce.transport.cuda_ipc import buffer_verdict
 
 HANDLE = b"h" * 64
@@ -110,6 +110,7 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     import torch.distributed as dist
 
     from pyallreduce import communicator
+    from pyallreduce.engines import cuda
     from pyallreduce.transport import cuda_ipc
 
     calls = [(10 + k if c[-1] else -1, input_address(rank, k), *c[:-1]) for k, c in enumerate(captured)]
@@ -127,11 +128,12 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
         return PEER_BASE * (int(handle.split()[-1]) + 1)
 
     transport._export, transport._open = export, open_handle
+    engine = object.__new__(cuda.CudaEngine)
+    engine.handle, engine.transport, engine.group, engine.device = 1, transport, dist.group.WORLD, torch.device("cuda", 0)
     comm = object.__new__(communicator.Communicator)
-    comm._handle, comm._transport, comm.backend, comm._capturing = 1, transport, "cuda", False
-    comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
+    comm._engine, comm._capturing, comm.device = engine, False, engine.device
     error = None
-    with mock.patch.object(communicator, "_C", table), \
+    with mock.patch.object(cuda, "_C", table), \
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
         try:
             with comm.capture():

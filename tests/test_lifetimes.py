@@ -229,14 +229,29 @@ def stubbed(fn):
     def run(rank, world, *args):
         from unittest import mock
 
-        from pyallreduce import communicator
+        from pyallreduce.engines import cuda, native
         from pyallreduce.transport import cuda_ipc
 
         fake = FakeCuda(rank)
-        with mock.patch.object(cuda_ipc, "_C", fake), mock.patch.object(communicator, "_C", fake), \
+        with mock.patch.object(cuda_ipc, "_C", fake), mock.patch.object(cuda, "_C", fake), \
+                mock.patch.object(native, "_C", fake), \
                 mock.patch.object(cuda_ipc, "_parked", [], create=True):
             return fn(rank, world, fake, cuda_ipc, *args)
     return run
+
+
+def communicator_over(transport):
+    """A CUDA Communicator (context handle 1) over `transport`, without construction."""
+    import torch.distributed as dist
+
+    from pyallreduce.communicator import Communicator
+    from pyallreduce.engines.cuda import CudaEngine
+
+    engine = object.__new__(CudaEngine)
+    engine.handle, engine.transport, engine.group, engine.device = 1, transport, dist.group.WORLD, transport.device
+    comm = object.__new__(Communicator)
+    comm._engine, comm._handle, comm._closed, comm.device = engine, 1, False, transport.device
+    return comm
 
 
 def make_transport(cuda_ipc):
@@ -286,13 +301,7 @@ def test_a_peer_allocation_is_unmapped_exactly_when_its_last_user_goes():
 
 @stubbed
 def unregister_through_the_communicator(rank, world, fake, cuda_ipc, fail_on=None):
-    import torch.distributed as dist
-
-    from pyallreduce.communicator import Communicator
-
-    comm = object.__new__(Communicator)
-    comm._handle, comm._transport, comm.backend, comm._closed = 1, make_transport(cuda_ipc), "cuda", False
-    comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
+    comm = communicator_over(make_transport(cuda_ipc))
     comm._check_tensor = lambda tensor, name: None  # a FakeCudaTensor is not a torch.Tensor
     buffer = FakeCudaTensor(memory(rank, 1), 256)
     alive = weakref.ref(buffer)
@@ -379,13 +388,7 @@ def test_closing_the_transport_frees_only_what_no_peer_maps(sync):
 
 @stubbed
 def close_communicator(rank, world, fake, cuda_ipc, how, clear_returns_tensors):
-    import torch.distributed as dist
-
-    from pyallreduce.communicator import Communicator
-
-    comm = object.__new__(Communicator)
-    comm._handle, comm._transport, comm.backend, comm._closed = 1, make_transport(cuda_ipc), "cuda", False
-    comm.group, comm.world_size, comm.device = dist.group.WORLD, world, torch.device("cuda", 0)
+    comm = communicator_over(make_transport(cuda_ipc))
     captured = FakeCudaTensor(memory(rank, 1), 256)  # a captured call's input with a zero-copy graph entry
     alive = weakref.ref(captured)
     fake.clear_returns = [captured] if clear_returns_tensors else []

@@ -67,12 +67,13 @@ def _shared_gpu_rank(rank, world, capacity):
     import torch
 
     import pyallreduce
-    from pyallreduce import communicator
+    from pyallreduce import logs
+    from pyallreduce.engines.triton import TritonEngine
 
     # The GPU facts this rank would gather (no GPU here): every rank on one GPU.
-    communicator.Communicator._gpu_capacity = lambda self: ("gpu0", capacity)
+    TritonEngine.gpu_capacity = classmethod(lambda cls, device, world_size: ("gpu0", capacity))
     logged = []
-    communicator.log_once = logged.append
+    logs.log_once = logged.append
     with pyallreduce.Communicator(device="cpu", backend="triton", nblocks=4, max_bytes=64 << 10) as comm:
         x = torch.arange(3000, dtype=torch.float32) + rank
         y = comm.all_reduce(x)
@@ -93,12 +94,13 @@ def _communicators_sharing_a_gpu_rank(rank, world):
     import torch
 
     import pyallreduce
-    from pyallreduce import communicator
+    from pyallreduce import logs
+    from pyallreduce.engines.triton import TritonEngine
 
     # Both ranks on one GPU that holds 10 blocks at once (no GPU here: the facts are given).
-    communicator.Communicator._gpu_capacity = lambda self: ("gpu0", 10)
+    TritonEngine.gpu_capacity = classmethod(lambda cls, device, world_size: ("gpu0", 10))
     logged = []
-    communicator.log_once = logged.append
+    logs.log_once = logged.append
 
     def make():
         return pyallreduce.Communicator(device="cpu", backend="triton", nblocks=4, max_bytes=64 << 10)

@@ -1,4 +1,4 @@
-"""transport.cuda_ipc.check_topology's cache, across processes, with the CUDA
+"""transport.topology.check_topology's cache, across processes, with the CUDA
 queries stubbed: every rank must hit or miss it together, or the rank that
 misses waits in a gather the others never make."""
 import pytest
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.quick
 
 
 def cache_after_a_failed_query(rank, world):
-    from pyallreduce.transport import cuda_ipc
+    from pyallreduce.transport import cuda_ipc, topology
 
     queries = []
 
@@ -22,15 +22,15 @@ def cache_after_a_failed_query(rank, world):
 
     cuda_ipc._C.cuda_pci_bus_id = pci_bus_id
     cuda_ipc._device_index = lambda device: 0
-    cuda_ipc._check_peers = lambda index, bus, rank, facts: None
-    cuda_ipc._ipc_probe = lambda group, index, rank, world: None
+    topology._check_peers = lambda index, bus, rank, facts: None
+    topology._ipc_probe = lambda group, index, rank, world: None
 
-    ok, why = cuda_ipc.check_topology()  # rank 1's query fails: no rank caches
+    ok, why = topology.check_topology()  # rank 1's query fails: no rank caches
     assert not ok and why == "rank 1: cudaDeviceGetPCIBusId failed", why
-    assert cuda_ipc.check_topology() == (True, "same host, P2P mesh, IPC probe passed")  # every rank asks again
+    assert topology.check_topology() == (True, "same host, P2P mesh, IPC probe passed")  # every rank asks again
     real_gather = cuda_ipc.gather
     cuda_ipc.gather = lambda *a: (_ for _ in ()).throw(AssertionError("a cached answer made a gather"))
-    assert cuda_ipc.check_topology()[0]  # now cached on every rank
+    assert topology.check_topology()[0]  # now cached on every rank
     cuda_ipc.gather = real_gather
     assert len(queries) == 2
     dist.barrier()

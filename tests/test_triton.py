@@ -290,7 +290,7 @@ def deadline_and_checks(rank, world):
         with pytest.raises(ValueError, match="exceed the staging buffer"):
             big = torch.zeros(MAX_BYTES // 4 + 1)
             tk.all_reduce(big, big, *args, _C.ONE_SHOT, False, short)
-        with pytest.raises(TypeError, match="not supported"):
+        with pytest.raises(TypeError, match="is not reduced by pyallreduce"):
             ints = torch.zeros(4, dtype=torch.int32)
             tk.all_reduce(ints, ints, *args, _C.ONE_SHOT, False, short)
         with pytest.raises(ValueError, match="unknown algorithm"):
@@ -370,7 +370,7 @@ def across_the_wrap(rank, world, start_epoch, mid):
     from pyallreduce import triton_kernels as tk
 
     comm = make_comm()
-    set_counters(comm._transport, comm.nblocks, start_epoch, mid)
+    set_counters(comm._engine.transport, comm.nblocks, start_epoch, mid)
     # One-shot first (the only kind that ran "before"), then two-shot calls
     # across the wrap: a mid barrier passed early would gather a peer's chunks
     # before it reduced them, if the scheduler lets it get there first (the
@@ -382,15 +382,15 @@ def across_the_wrap(rank, world, start_epoch, mid):
         wrong += int((got != exact_sum(numel, world, torch.float32, salt=i)).sum())
     if mid == 0:
         assert (start_epoch + 2) & 0xFFFFFFFF in (0xFFFFFFFF, 0), "the two-shot call below must meet a stale 0"
-        set_counters(comm._transport, comm.nblocks, start_epoch, mid)
+        set_counters(comm._engine.transport, comm.nblocks, start_epoch, mid)
         x = exact_input(3000, rank, torch.float32)
         comm.all_reduce(x, algo="one_shot")  # e = start_epoch + 1: stores its mid flags (the fix)
         dist.barrier()
         if rank == world - 1:
-            arrive_at_start(comm._transport, comm.nblocks, x.nbytes, kernel_kind(x, _C.TWO_SHOT))
+            arrive_at_start(comm._engine.transport, comm.nblocks, x.nbytes, kernel_kind(x, _C.TWO_SHOT))
         else:
             short = 2.0
-            args = (comm._transport.regions, rank, world, comm.max_bytes, comm.nblocks)
+            args = (comm._engine.transport.regions, rank, world, comm.max_bytes, comm.nblocks)
             expect_deadline(lambda: tk.all_reduce(x, torch.empty_like(x), *args, _C.TWO_SHOT, False, short),
                             "mid", str(world - 1), short)
         dist.barrier()
@@ -433,7 +433,7 @@ def disagree(rank, world, cases):
     from pyallreduce import _C
 
     comm = make_comm()
-    start_near_wrap(comm._transport, comm.nblocks, NEAR_WRAP)
+    start_near_wrap(comm._engine.transport, comm.nblocks, NEAR_WRAP)
     messages = []
     for i, case in enumerate(cases):
         agreed, odd = MISMATCHED_CALLS[case]
@@ -696,7 +696,7 @@ def segments_refused_and_mismatched(rank, world):
                 fn(inp, out, *args, *extra, TIMEOUT_S)
         with pytest.raises(ValueError, match=r"input.numel\(\) == world size \(3\) x out.numel\(\), got 3001 and 1000"):
             tk.reduce_scatter(torch.ones(world * n + 1), torch.empty(n), *args, False, TIMEOUT_S)
-        with pytest.raises(TypeError, match="not supported"):
+        with pytest.raises(TypeError, match="is not reduced by pyallreduce"):
             tk.reduce_scatter(torch.ones(world * n, dtype=torch.int32), torch.empty(n, dtype=torch.int32), *args,
                               False, TIMEOUT_S)
         with pytest.raises(ValueError, match="one dtype and device"):

@@ -10,7 +10,7 @@ signal.py).
 import torch
 
 from pyallreduce import _C
-from pyallreduce.protocol import REDUCED_DTYPES, is_own_segment, overlaps, partial_overlap_problem
+from pyallreduce.protocol import is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
 
@@ -83,9 +83,9 @@ def _check_group(regions, rank, world_size, nblocks, device):
 
 
 def _check_reduced(dtype):
-    """As csrc/module.cpp's collective_args_problem says it."""
-    if dtype not in REDUCED_DTYPES:
-        raise TypeError(f"pyallreduce: dtype {dtype} is not supported (float32, float16, bfloat16)")
+    reason = not_reduced_reason(dtype)
+    if reason is not None:
+        raise TypeError(f"pyallreduce: {reason}")
 
 
 def _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo):

@@ -59,7 +59,8 @@ class HostShmTransport:
             for n in names:
                 _C.shm_remove(n)
 
-    def close(self):
+    def close(self, sync=True):
+        """Unmaps every region (local: nothing to agree on, so `sync` changes nothing)."""
         for addr in self.regions:
             _C.shm_unmap(addr, self.region_bytes)
         self.regions = []

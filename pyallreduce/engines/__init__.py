@@ -1,0 +1,139 @@
+"""Engines: what runs a Communicator's calls, one class per backend.
+
+The Communicator (communicator.py) decides everything — kernels or
+torch.distributed, the algorithm, chunking, the agreement before a fallback,
+argument checks, lifetime — and hands an engine only calls that fit it. An
+engine executes them: the native engine (CPU) through the C++ context, the
+CUDA engine on top of it (IPC transport, registered buffers, graph capture,
+status checks, closing with parking), the Triton engine through
+pyallreduce.triton_kernels. This module is the only place that maps a backend
+name to a class; `Engine` is the interface the Communicator relies on.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+
+import torch
+
+from .. import _C
+
+if TYPE_CHECKING:
+    from ..transport import Transport
+
+BACKENDS = ("auto", "cuda", "triton", "cpu")
+
+
+class Engine(Protocol):
+    """One communicator's executor. Every call it gets is eager or captured,
+    has nonzero bytes, contiguous tensors of a dtype it takes, and fits one
+    run (`piece_bytes`); the ranks' agreement on the call is the kernels'."""
+
+    name: str
+    transport: Transport
+    # The C++ context for the eager fast path (_C.try_collective_eager), or
+    # None when calls do not go through it (Triton).
+    handle: Optional[int]
+
+    def all_reduce(self, src: torch.Tensor, dst: torch.Tensor, algo: int, average: bool, call: int) -> None:
+        """dst = reduce(src) across ranks (dst may be src); algo: _C.ONE_SHOT or _C.TWO_SHOT."""
+
+    def scatter_or_gather(self, collective: int, src: torch.Tensor, dst: torch.Tensor, average: bool,
+                          call: int) -> None:
+        """One reduce-scatter (_C.REDUCE_SCATTER) or all-gather (_C.ALL_GATHER) piece."""
+
+    def agree(self, dtype_code: int, nbytes: int, mode: int, average: bool, in_place: bool, collective: int,
+              call: int, device: torch.device) -> None:
+        """The agreement round of a call that does not run here (protocol.h kAgreeOnly)."""
+
+    def piece_bytes(self, collective: int, element_size: int) -> Optional[int]:
+        """The most bytes of each segment one reduce-scatter/all-gather run moves
+        (a multiple of element_size; 0: not one element fits), or None: any size."""
+
+    # The CUDA-only lifecycle; other engines answer "not here".
+    def register(self, tensor: torch.Tensor) -> bool: ...
+    def unregister(self, tensor: torch.Tensor) -> bool: ...
+    def capture(self) -> contextlib.AbstractContextManager: ...
+    def check(self) -> None: ...
+    def close(self, sync: bool) -> None: ...
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend a Communicator on `device` runs ("auto" resolved), or a clear error."""
+    if backend not in BACKENDS:
+        raise ValueError(f"pyallreduce: backend must be one of {BACKENDS}, got {backend!r}")
+    on_gpu = device.type == "cuda"
+    if backend == "auto":
+        backend = "cuda" if on_gpu else "cpu"
+    if backend == "cpu" and on_gpu:
+        raise ValueError("pyallreduce: backend='cpu' needs device='cpu'; use backend='cuda' or 'triton' for GPUs")
+    if backend == "cuda":
+        if not on_gpu:
+            raise ValueError("pyallreduce: backend='cuda' needs a CUDA device; use backend='cpu' for CPU tensors")
+        if not _C.WITH_CUDA:
+            raise RuntimeError("pyallreduce: this build has no CUDA kernels (built without a CUDA toolkit "
+                               "or with PYALLREDUCE_SKIP_CUDA=1); reinstall with a CUDA toolkit")
+    if backend == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("pyallreduce: backend='triton' on CPU tensors runs the Triton interpreter; "
+                           "set TRITON_INTERPRET=1 before triton is first imported")
+    return backend
+
+
+def resolve_device(device) -> torch.device:
+    """The device a Communicator serves: None means the current CUDA device
+    when CUDA is available, else CPU."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"pyallreduce: device must be cpu or cuda, got {device}")
+    return device
+
+
+def graph_capture_problem(device: torch.device) -> Optional[str]:
+    """Why comm.capture() cannot serve `device`, or None."""
+    if device.type == "cuda":
+        return None
+    return f"pyallreduce: capture() is for CUDA graphs; this communicator serves {device}"
+
+
+def engine_class(backend: str):
+    """The class of a resolved backend."""
+    if backend == "cpu":
+        from .native import NativeEngine
+
+        return NativeEngine
+    if backend == "cuda":
+        from .cuda import CudaEngine
+
+        return CudaEngine
+    from .triton import TritonEngine
+
+    return TritonEngine
+
+
+def make_transport(group, max_bytes: int, device: torch.device) -> Transport:
+    """The regions of a communicator on `device`: CUDA IPC on a GPU, POSIX shared memory on CPU."""
+    if device.type == "cuda":
+        from ..transport.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(group, max_bytes, device)
+    from ..transport import HostShmTransport
+
+    return HostShmTransport(group, max_bytes)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def no_graph_table() -> Iterator[None]:
+    """capture() of an engine without a graph table: calls are captured as they are."""
+    yield

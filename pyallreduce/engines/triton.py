@@ -1,0 +1,110 @@
+"""The Triton engine: pyallreduce.triton_kernels over the transport's regions
+(CUDA IPC on a GPU; POSIX shared memory under TRITON_INTERPRET=1 on CPU).
+Keeps the C++ backends' rules: a failure mid-protocol breaks the engine for
+good, a mismatch (every rank raises it, epochs back in step) does not; and on
+a GPU one communicator's launches run one after another whatever stream each
+is on (csrc/cuda/call_plan.h LaunchOrder)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _C, triton_kernels
+from ..protocol import staged_piece_bytes
+from . import make_transport, no_graph_table, stream_capturing
+from .cuda import CUDA_NBLOCKS
+from .native import checked_nblocks
+
+# Programs per rank on CPU, where the interpreter runs them one after another:
+# few keeps the per-call cost down.
+TRITON_CPU_NBLOCKS = 2
+
+
+class TritonEngine:
+    name = "triton"
+    handle: Optional[int] = None  # no C++ context: no eager fast path
+
+    def __init__(self, group, rank, device, max_bytes, nblocks, timeout_s):
+        self.device, self.max_bytes, self.rank, self.nblocks, self.timeout_s = (
+            device, max_bytes, rank, nblocks, timeout_s)
+        self.transport = make_transport(group, max_bytes, device)
+        self.world_size = self.transport.world_size
+        self._broken_reason = None
+        self._last_stream, self._launched = None, None  # the launch order on a GPU
+        try:
+            triton_kernels.prepare(self.transport.regions, device)
+        except BaseException:
+            self.transport.close(sync=False)
+            raise
+
+    @classmethod
+    def resolve_nblocks(cls, nblocks, device):
+        if nblocks is None:
+            nblocks = CUDA_NBLOCKS if device.type == "cuda" else TRITON_CPU_NBLOCKS
+        return checked_nblocks(nblocks)
+
+    @classmethod
+    def gpu_capacity(cls, device, world_size):
+        """One program per SM, which these kernels always fit (not queried)."""
+        if device.type != "cuda" or world_size > _C.MAX_RANKS:
+            return None
+        return (_C.cuda_pci_bus_id(device.index), torch.cuda.get_device_properties(device.index).multi_processor_count)
+
+    def all_reduce(self, src, dst, algo, average, call):
+        self._launch(triton_kernels.all_reduce, src, dst, self.transport.regions, self.rank, self.world_size,
+                     self.max_bytes, self.nblocks, algo, average, self.timeout_s, call)
+
+    def scatter_or_gather(self, collective, src, dst, average, call):
+        common = (self.transport.regions, self.rank, self.world_size, self.max_bytes, self.nblocks)
+        if collective == _C.REDUCE_SCATTER:
+            self._launch(triton_kernels.reduce_scatter, src, dst, *common, average, self.timeout_s, call)
+        else:
+            self._launch(triton_kernels.all_gather, src, dst, *common, self.timeout_s, call)
+
+    def agree(self, dtype_code, nbytes, mode, average, in_place, collective, call, device):
+        self._launch(triton_kernels.agree, dtype_code, nbytes, mode, average, in_place, self.transport.regions,
+                     self.rank, self.world_size, self.nblocks, self.timeout_s, device, call, algo=collective)
+
+    def piece_bytes(self, collective, element_size):
+        return staged_piece_bytes(self.max_bytes, self.world_size, collective, element_size)
+
+    def register(self, tensor):
+        return False  # every call copies through staging
+
+    def unregister(self, tensor):
+        return False
+
+    def capture(self):
+        return no_graph_table()
+
+    def check(self):
+        pass  # a call raises what its kernel recorded
+
+    def close(self, sync):
+        regions = list(self.transport.regions)  # close() empties them
+        self.transport.close(sync=sync)
+        triton_kernels.release(regions, self.device)  # its kernels have finished (the close waited)
+
+    def _launch(self, fn, *args, **kwargs):
+        if self._broken_reason is not None:
+            raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
+                               f"({self._broken_reason}); close() it and create a new Communicator on every rank")
+        # Captured launches are not chained, as in the CUDA engine.
+        stream = None
+        if self.device.type == "cuda" and not stream_capturing(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None and self._last_stream != stream:
+                stream.wait_event(self._launched)
+        try:
+            fn(*args, **kwargs)
+        except triton_kernels.CallMismatch as e:
+            raise RuntimeError(str(e)) from None
+        except RuntimeError as e:
+            self._broken_reason = str(e).split("\n", 1)[0]  # epochs are out of step across ranks now
+            raise
+        finally:
+            if stream is not None:
+                self._launched = self._launched or torch.cuda.Event()
+                self._launched.record(stream)
+                self._last_stream = stream

@@ -1,0 +1,79 @@
+"""Construction-time agreement: the facts a Communicator's ranks must share
+before any memory is mapped — one host, the same settings, a GPU topology
+the kernels can use, the blocks that may be resident at once — decided
+collectively, so that every rank reaches the same answer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import _C, logs, policy
+from .protocol import host_id
+
+
+@dataclass
+class GroupSetup:
+    fallback_reason: Optional[str]  # why the group goes to torch.distributed, or None
+    crossover: policy.Crossover     # rank 0's row: the same on every rank
+    nblocks: int                    # lowered alike on every rank where ranks share a GPU
+    gpu: Optional[str]              # the GPU whose blocks the kernels hold (policy.resident_nblocks)
+
+
+def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, nblocks, blocks_held) -> GroupSetup:
+    """Collective. Raises on every rank when the ranks asked for different
+    settings: a different nblocks makes blocks wait for peers that never come,
+    a different max_bytes makes odd-epoch reads run past a smaller peer's
+    region. Lowers nblocks on every rank alike when ranks share a GPU, and
+    takes rank 0's crossover row on every rank (a rank whose kind differs, e.g.
+    another PYALLREDUCE_CPU_ISA, would otherwise pick other algorithms).
+    blocks_held(gpu): the blocks this rank's live communicators hold on it."""
+    kind, kind_error = None, None
+    try:
+        kind = policy.device_kind(device)
+    except RuntimeError as e:  # raised below on every rank, not here on this one alone
+        kind_error = str(e)
+    gpu = _gpu_capacity(engine_class, device, world_size)
+    if gpu is not None:
+        gpu = (*gpu, blocks_held(gpu[0]))
+    mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error)
+    every = [None] * world_size
+    dist.all_gather_object(every, mine, group=group)
+    failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
+    if failed:
+        raise RuntimeError("pyallreduce: " + "; ".join(failed))
+    setup = GroupSetup(None, policy.lookup(every[0][6], world_size), nblocks, None)
+    if len({e[1:5] for e in every}) > 1:
+        rows = "\n".join(f"  rank {q}: backend={e[1]!r}, device={e[2]}, max_bytes={e[3]}, nblocks={e[4]}"
+                         for q, e in enumerate(every))
+        raise ValueError("pyallreduce: the ranks created this Communicator with different settings; "
+                         f"every rank must pass the same backend, device type, max_bytes and nblocks:\n{rows}")
+    hosts = {e[0] for e in every}
+    if len(hosts) > 1:
+        setup.fallback_reason = f"the group spans {len(hosts)} hosts"
+        return setup
+    gpus = [e[5] for e in every]
+    if None not in gpus:
+        setup.nblocks, reason = policy.resident_nblocks(nblocks, gpus)
+        if reason:
+            logs.log_once(reason)
+        setup.gpu = gpu[0]
+    if world_size > _C.MAX_RANKS:
+        setup.fallback_reason = f"world size {world_size} exceeds {_C.MAX_RANKS}"
+    elif device.type == "cuda":
+        from .transport.topology import check_topology
+
+        ok, reason = check_topology(group, device)
+        if not ok:
+            setup.fallback_reason = reason
+    return setup
+
+
+def _gpu_capacity(engine_class, device, world_size):
+    """(this rank's GPU, how many blocks of the engine's kernels it holds at
+    once), or None (no GPU kernels, or the GPU cannot tell)."""
+    try:
+        return engine_class.gpu_capacity(device, world_size)
+    except RuntimeError:
+        return None

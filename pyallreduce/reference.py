@@ -1,0 +1,72 @@
+"""What the Communicator sends to torch.distributed, and how: the calls it does
+not run on an engine (a group it cannot serve, a dtype without kernels, sizes
+the crossover gives to the reference), and the debug mode's fingerprint
+exchange. The decision to come here is the Communicator's."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .engines import stream_capturing
+
+# torch >= 2.14 names the tensor forms *_single and warns on every call of the older names.
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _check_average(dtype, average):
+    if average and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"pyallreduce: op='avg' is not defined for {dtype}; use op='sum'")
+
+
+def all_reduce(src, dst, average, group, world_size):
+    """dst = sum (or mean) of src over the group; dst may be src."""
+    _check_average(src.dtype, average)
+    # `is`, not data pointers: torch.compile traces this (fallback dtypes under fullgraph=True).
+    work = dst if dst is src and dst.is_contiguous() else src.contiguous().clone()
+    dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        work.div_(world_size)
+    if work is not dst:
+        dst.copy_(work)
+
+
+def scatter_or_gather(scatters, src, dst, average, group, world_size):
+    """dst = reduce_scatter(src) (scatters) or all_gather(src) over the group."""
+    _check_average(src.dtype, average)
+    work = torch.empty(dst.numel(), dtype=dst.dtype, device=dst.device)
+    if scatters:
+        _dist_reduce_scatter(work, src.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
+        if average:
+            work.div_(world_size)
+    else:
+        _dist_all_gather(work, src.contiguous().view(-1), group=group)
+    dst.copy_(work.view(dst.shape))
+
+
+def capture_problem(device, group, reason) -> Optional[str]:
+    """Why a call going to torch.distributed (for `reason`) cannot run now, or
+    None: a CUDA graph captures torch.distributed's all-reduce only over NCCL;
+    over gloo it invalidates the capture with an error that does not say why
+    this call went there."""
+    if not stream_capturing(device):
+        return None
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend:
+        return None
+    return (f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "
+            f"{backend!r} cannot run inside a CUDA graph capture; give the Communicator a group with NCCL "
+            "for CUDA tensors, or make this call outside the capture")
+
+
+def check_fingerprint(call, src, average, algo, group, world_size):
+    """The debug mode (PYALLREDUCE_DEBUG=1): every rank compares this call's
+    (call number, op, dtype, numel, algo) before any data moves."""
+    mine = (call, "avg" if average else "sum", str(src.dtype), src.numel(), algo)
+    every = [None] * world_size
+    dist.all_gather_object(every, mine, group=group)
+    if any(f != mine for f in every):
+        rows = "\n".join(f"  rank {q}: (call, op, dtype, numel, algo) = {f}" for q, f in enumerate(every))
+        raise RuntimeError(f"pyallreduce: the ranks disagree about this collective:\n{rows}")
