@@ -47,7 +47,37 @@ from .communicator import Communicator
 
 NAME = "pyallreduce"
 INNER_PREFIX = "pyallreduce_inner/"  # the inner backends' keys in the group's store
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
+_SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def _op_name(reduce_op):
+    """The Communicator's op for a c10d ReduceOp, or None (not served here).
+    Compared, not looked up: a lookup costs the RedOpType object and its hash."""
+    return "sum" if reduce_op == _SUM else "avg" if reduce_op == _AVG else None
+
+
+_served_devices = {}  # torch.device -> whether the Communicator serves it (device.type costs 0.3 us a call)
+
+
+def _serves(device):
+    served = _served_devices.get(device)
+    if served is None:
+        served = _served_devices[device] = device.type in ("cpu", "cuda")
+    return served
+
+
+def _all_strided_on(device, tensors):
+    for t in tensors:  # a loop, not any(generator): half the cost for two tensors
+        if t.device != device or t.layout != torch.strided:
+            return False
+    return True
+
+
+class _Serving(threading.local):
+    """Per thread: inside a Communicator call (or its construction or close),
+    whose own torch.distributed calls go to the inner backend. A class
+    attribute, so that reading it in another thread costs no AttributeError."""
+    active = False
 
 # Python name of each Backend method (the trampoline's names, torch/csrc/distributed/
 # c10d/py/PyBackend.hpp) that the inner backend serves as it is.
@@ -124,7 +154,7 @@ class PyallreduceBackend(_C10dBackend):
         self._comms = {}  # torch.device -> Communicator
         # The thread inside a Communicator call (or its construction or close): its
         # torch.distributed calls are the Communicator's own and go to the inner backend.
-        self._serving = threading.local()
+        self._serving = _Serving()
         self._turn = threading.Lock()  # one served call at a time; other threads wait
         self._closed = False
         self._inner_backend("cpu")  # gloo's rendezvous now, as every rank creates the group
@@ -135,14 +165,14 @@ class PyallreduceBackend(_C10dBackend):
     # ---- served here ---------------------------------------------------------
 
     def allreduce(self, tensors, opts):
-        op = _OPS.get(opts.reduceOp.op)
+        op = _op_name(opts.reduceOp)
         if op is None or len(tensors) != 1:
             return self._inner_call("allreduce", f"all_reduce of {len(tensors)} tensors or op {opts.reduceOp.op}",
                                     tensors, opts)
         return self._serve("allreduce", tensors, (tensors, opts), lambda comm: comm.all_reduce_(tensors[0], op))
 
     def allreduce_coalesced(self, tensors, opts):
-        op = _OPS.get(opts.reduceOp.op)
+        op = _op_name(opts.reduceOp)
         if op is None:
             return self._inner_call("allreduce_coalesced", f"op {opts.reduceOp.op}", tensors, opts)
 
@@ -152,14 +182,14 @@ class PyallreduceBackend(_C10dBackend):
         return self._serve("allreduce_coalesced", tensors, (tensors, opts), run)
 
     def reduce_scatter_single(self, output, input, opts):
-        op = _OPS.get(opts.reduceOp.op)
+        op = _op_name(opts.reduceOp)
         if op is None:
             return self._inner_call("reduce_scatter_single", f"op {opts.reduceOp.op}", output, input, opts)
         return self._serve("reduce_scatter_single", [output, input], (output, input, opts),
                            lambda comm: comm.reduce_scatter(input, op, out=output), result=[output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        op = _OPS.get(opts.reduceOp.op)
+        op = _op_name(opts.reduceOp)
         if op is None:
             return self._inner_call("reduce_scatter_single_coalesced", f"op {opts.reduceOp.op}", outputs, inputs,
                                     opts)
@@ -171,7 +201,7 @@ class PyallreduceBackend(_C10dBackend):
                            result=outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts):
-        op = _OPS.get(opts.reduceOp.op)
+        op = _op_name(opts.reduceOp)
         if op is None or len(outputs) != 1:
             return self._inner_call("reduce_scatter", f"op {opts.reduceOp.op} or {len(outputs)} outputs", outputs,
                                     input_lists, opts)
@@ -206,24 +236,30 @@ class PyallreduceBackend(_C10dBackend):
     def _serve(self, name, tensors, args, run, result=None):
         """Runs run(communicator) for a call whose tensors are all on one CPU or
         CUDA device; anything else goes to the inner backend (`args` as given).
-        Errors are raised by the Work's wait(), as torch's backends do."""
+        Errors are raised by the Work's wait(), as torch's backends do. Every
+        call of the backend passes here: kept to plain statements (no
+        generator, no contextmanager), as it costs on every small collective."""
+        serving = self._serving
         device = tensors[0].device if tensors else None
-        if (self._is_serving() or device is None or device.type not in ("cpu", "cuda")
-                or any(t.device != device or t.layout != torch.strided for t in tensors)):
-            why = None if self._is_serving() else "tensors on several devices, sparse, or of a device it does not serve"
+        if (serving.active or device is None or not _serves(device) or tensors[0].layout != torch.strided
+                or (len(tensors) > 1 and not _all_strided_on(device, tensors[1:]))):
+            why = None if serving.active else "tensors on several devices, sparse, or of a device it does not serve"
             return self._inner_call(name, why, *args)
-        try:
-            with self._turn, self._serve_here():
-                run(self._communicator(device))
-        except Exception as e:
-            return CompletedWork(result if result is not None else tensors, e)
+        with self._turn:
+            serving.active = True  # its own torch.distributed calls go to the inner backend
+            try:
+                run(self._comms.get(device) or self._communicator(device))
+            except Exception as e:
+                return CompletedWork(result if result is not None else tensors, e)
+            finally:
+                serving.active = False
         # Inside a CUDA graph capture the graph itself orders the captured work.
         stream = (torch.cuda.current_stream(device)
-                  if device.type == "cuda" and not torch.cuda.is_current_stream_capturing() else None)
+                  if tensors[0].is_cuda and not torch.cuda.is_current_stream_capturing() else None)
         return CompletedWork(result if result is not None else tensors, launch_stream=stream)
 
     def _is_serving(self):
-        return getattr(self._serving, "active", False)
+        return self._serving.active
 
     @contextlib.contextmanager
     def _serve_here(self):
