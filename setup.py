@@ -87,7 +87,7 @@ def extensions():
             "pyallreduce._C",
             # kernels.cu is the only file nvcc compiles (once per GPU
             # architecture); the host glue and IPC are plain C++ for g++.
-            sources + ["csrc/cuda/all_reduce.cpp", "csrc/cuda/ipc.cpp", "csrc/cuda/kernels.cu"],
+            sources + ["csrc/cuda/adapter.cpp", "csrc/cuda/glue.cpp", "csrc/cuda/runtime.cpp", "csrc/cuda/kernels.cu"],
             define_macros=[("PYALLREDUCE_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx + ["-DPYALLREDUCE_WITH_CUDA"], "nvcc": nvcc},
             libraries=["rt"],

@@ -18,7 +18,7 @@
 #include "common/protocol.h"
 #include "cpu/shm.h"
 #ifdef PYALLREDUCE_WITH_CUDA
-#include "cuda/ipc.h"
+#include "cuda/adapter.h"
 #endif
 
 namespace pyallreduce {
@@ -429,9 +429,6 @@ PYBIND11_MODULE(_C, m) {
   bind_shm(m);
   m.def("cpu_isa", &host_isa, "the vector ISA of the CPU backend's reductions: avx512, avx2 or generic");
 #ifdef PYALLREDUCE_WITH_CUDA
-  bind_cuda_ipc(m);
-  // Here, not in ipc.cpp: returning tensors needs torch's pybind casters (torch/extension.h).
-  m.def("cuda_clear_buffers", &clear_cuda_buffers, py::arg("handle"),
-        "drops the communicator's registrations; returns the captured inputs peers may map");
+  bind_cuda(m);
 #endif
 }

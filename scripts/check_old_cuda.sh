@@ -26,8 +26,8 @@
 # torch's CUDAExtension give the real build:
 #  1. csrc/cuda/kernels.cu (every kernel) with CUDA 12.4's nvcc for sm_80 and
 #     sm_90;
-#  2. the host code g++ compiles in the real build, csrc/cuda/all_reduce.cpp
-#     and csrc/cuda/ipc.cpp, against the CUDA 12.1 headers (-fsyntax-only: the
+#  2. the host code g++ compiles in the real build, csrc/cuda/adapter.cpp,
+#     glue.cpp and runtime.cpp, against the CUDA 12.1 headers (-fsyntax-only: the
 #     runtime API calls and driver entry-point types they use must exist in 12.1).
 # Both need torch's and pybind11's headers: PYTHON (default: .venv's
 # python when there is one, else python3) must import torch and pybind11.
@@ -180,7 +180,7 @@ run() {  # NAME CMD...
 }
 run "CUDA 12.4 nvcc: csrc/cuda/kernels.cu for sm_${ARCHS// /, sm_}" \
   "${NVCC[@]}" "${GENCODE[@]}" -c csrc/cuda/kernels.cu -o "$out/kernels.o"
-for f in all_reduce.cpp ipc.cpp; do
+for f in adapter.cpp glue.cpp runtime.cpp; do
   run "CUDA 12.1 headers, g++: csrc/cuda/$f" \
     g++ -std=c++20 -fsyntax-only -DPYALLREDUCE_WITH_CUDA -I "$INC121" "${INCFLAGS[@]}" "csrc/cuda/$f"
 done

@@ -41,8 +41,8 @@ OUT = ROOT / "build" / "emulated"
 LIB = OUT / "lib"
 RUNTIME = LIB / "libcudart_emulated.so"
 # setup.py's sources, with the kernels on the host shim.
-EXTENSION_SOURCES = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp", "tests/emulated/cuda_glue.cpp",
-                     "csrc/cuda/ipc.cpp", "tests/emulated/kernels.cpp"]
+EXTENSION_SOURCES = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp", "csrc/cuda/adapter.cpp",
+                     "csrc/cuda/glue.cpp", "csrc/cuda/runtime.cpp", "tests/emulated/kernels.cpp"]
 CXX_FLAGS = ["-O1", "-g1", "-std=c++20", "-ffp-contract=off", "-fno-strict-aliasing", "-DPYALLREDUCE_WITH_CUDA"]
 
 
@@ -105,8 +105,7 @@ def build_runtime():
 
 def extension_inputs():
     headers = sorted((ROOT / "csrc").rglob("*.h")) + sorted((ROOT / "csrc").rglob("*.cuh"))
-    included = [ROOT / "csrc" / "cuda" / "kernels.cu", ROOT / "csrc" / "cuda" / "all_reduce.cpp",
-                ROOT / "tests" / "sim" / "cuda_shim.h"]  # through tests/emulated/*.cpp
+    included = [ROOT / "csrc" / "cuda" / "kernels.cu", ROOT / "tests" / "sim" / "cuda_shim.h"]  # through kernels.cpp
     return [ROOT / s for s in EXTENSION_SOURCES] + headers + included + [Path(__file__)]
 
 

@@ -21,7 +21,7 @@ import build_emulated  # noqa: E402
 
 ROOT = build_emulated.ROOT
 # The glue under measurement, and the object each is compiled into.
-GLUE = {"csrc/cuda/all_reduce.cpp": "cuda_glue.o", "csrc/cuda/ipc.cpp": "ipc.o"}
+GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "csrc/cuda/runtime.cpp": "runtime.o"}
 
 
 def run_tests(select=None):

@@ -1,6 +1,6 @@
 // An emulated CUDA runtime, preloaded (LD_PRELOAD) in front of the real
 // libcudart so that torch's CUDA allocator and copies, pyallreduce's CUDA glue
-// (csrc/cuda/all_reduce.cpp, ipc.cpp) and its Python CUDA stack run on a
+// (csrc/cuda/adapter.cpp, glue.cpp, runtime.cpp) and its Python CUDA stack run on a
 // machine without a GPU. The kernels themselves run through the host shim
 // (tests/sim/cuda_shim.h), built into the emulated extension
 // (tests/emulated/kernels.cpp); torch's own kernels do not exist here, so a
@@ -1017,7 +1017,7 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void*) {
   return cudaSuccess;
 }
 
-// ---- driver entry points (ipc.cpp resolves these through the runtime) ---------------
+// ---- driver entry points (runtime.cpp resolves these through the runtime) ---------------
 
 static CUresult emulated_cuGetErrorString(CUresult, const char** s) {
   *s = "emulated driver error";
