@@ -98,3 +98,13 @@ def test_the_emulation_faults_on_host_access_to_device_memory_and_runs_no_torch_
     proc = subprocess.run([sys.executable, "-P", "-c", probe], cwd=build_emulated.OUT, env=emulated_env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -11 and proc.stdout == "read\n", (proc.returncode, proc.stdout, proc.stderr[-3000:])
+
+
+@pytest.mark.skipif(os.environ.get("PYALLREDUCE_MUTANTS") != "1",
+                    reason="set PYALLREDUCE_MUTANTS=1 (edits the working tree in place and restores it; ~4 minutes)")
+def test_glue_mutants_are_caught():
+    """tests/emulated/mutants.py: each deliberate bug in the CUDA glue or the
+    Python GPU stack makes a CI test fail (docs/verification.md has the table)."""
+    proc = subprocess.run([sys.executable, str(BUILD.parent / "mutants.py")], capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, f"mutants survived:\n{proc.stdout}\n{proc.stderr[-4000:]}"

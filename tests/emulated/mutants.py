@@ -1,0 +1,138 @@
+"""Deliberate bugs in the CUDA glue and the Python GPU stack, each of which a
+test that CI runs must catch (on the emulated CUDA runtime, or on the stubs
+of tests/test_lifetimes.py): a check that cannot fail proves nothing.
+
+Each mutant is a set of textual changes (each must match exactly once, so a
+mutant that no longer applies is reported, not skipped) applied to the
+working tree in place (the emulated package links the repository's files;
+ninja then rebuilds only the changed objects), then the tests that should
+catch it run; every file is restored afterwards, also on an interrupt (not
+if the runner itself is killed: `git status` then shows the mutated file). The
+mutant is caught when those tests fail.
+
+    python tests/emulated/mutants.py [--only NAME]
+
+Prints a table (name, result, seconds) and exits 1 if any mutant survived.
+Results are recorded in docs/verification.md.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import build_emulated  # noqa: E402
+
+ROOT = build_emulated.ROOT
+TEST_CUDA = str(ROOT / "tests" / "test_cuda.py")
+LATE = {"PYALLREDUCE_EMULATED_DELAY_US": "300"}  # device work starts up to 300 us late
+
+LAZY_STATUS_RECORD = '''  auto it = status_by_context.find(&ctx);
+  if (it == status_by_context.end() || it->second.own_region != ctx.own_region()) {
+    StatusRecord& rec = status_by_context[&ctx];
+    void* host = nullptr;
+    check_cuda(cudaHostAlloc(&host, sizeof(CallStatus), cudaHostAllocMapped), "cudaHostAlloc");
+    std::memset(host, 0, sizeof(CallStatus));
+    static_cast<CallStatus*>(host)->generation = 1;
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec.device), host, 0), "mapping");
+    rec.host = static_cast<CallStatus*>(host);
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&rec.claim), sizeof(uint32_t)), "cudaMalloc");
+    check_cuda(cudaMemset(rec.claim, 0, sizeof(uint32_t)), "cudaMemset");
+    check_cuda(cudaEventCreateWithFlags(&rec.launched, cudaEventDisableTiming), "cudaEventCreate");
+    rec.own_region = ctx.own_region();
+    return rec;
+  }
+  return it->second;'''
+
+# (name, [(file, original text, mutated text)], where ("emulated" or "host"), pytest arguments, extra env)
+MUTANTS = [
+    ("the status record made at the first kernel call (inside a capture: the review's bug 2)",
+     [("csrc/cuda/adapter.cpp", "          prepare(*ctx, current_stream(ctx->device));", "          (void)ctx;"),
+      ("csrc/cuda/glue.cpp",
+       '''  auto it = status_by_context.find(&ctx);
+  require(it != status_by_context.end() && it->second.own_region == ctx.own_region(),
+          "this CUDA communicator has no status record (_C.cuda_prepare was not called after create_context)");
+  return it->second;''', LAZY_STATUS_RECORD)],
+     "emulated", [TEST_CUDA, "-k", "readme_capture_snippet or check_graph_reads_inputs_in_place"], {}),
+    ("no event wait between launches on two streams",
+     [("csrc/cuda/glue.cpp", '''    check_cuda(cudaStreamWaitEvent(stream, rec.launched, 0), "cudaStreamWaitEvent");''', "")],
+     "emulated", [TEST_CUDA, "-k", "check_two_streams"], LATE),
+    ("a graph-table block allocated in global capture mode beside another thread's capture",
+     [("csrc/cuda/glue.cpp", '''GraphBlock allocate_block(int device, int64_t n, cudaStream_t stream) {
+  DeviceScope scope(device);''', '''GraphBlock allocate_block(int device, int64_t n, cudaStream_t stream) {
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
+     "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
+    ("close()'s device-wide wait in global capture mode beside another thread's capture",
+     [("csrc/cuda/runtime.cpp", '''void synchronize_device(int device) {
+  DeviceScope scope(device);''', '''void synchronize_device(int device) {
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
+     "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
+    ("captured inputs released at close before the peers unmapped",
+     [("pyallreduce/engines/cuda.py", "                self.transport.keep(_C.cuda_clear_buffers(self.handle))",
+       "                _C.cuda_clear_buffers(self.handle)")],
+     "host", [str(ROOT / "tests" / "test_lifetimes.py"), "-k", "keeps_captured_inputs"], {}),
+]
+
+
+def build():
+    """build_emulated.py in a process of its own (building loads the extension,
+    and a process can load its op library only once); returns its environment."""
+    proc = subprocess.run([sys.executable, str(HERE / "build_emulated.py")], capture_output=True, text=True,
+                          check=True)
+    return dict(line[len("export "):].split("=", 1) for line in proc.stdout.splitlines()
+                if line.startswith("export "))
+
+
+def run_mutant(edits, where, args, extra_env, timeout):
+    originals = {}
+    try:
+        for path, old, new in edits:
+            target = ROOT / path
+            text = originals.setdefault(target, target.read_text())
+            current = target.read_text()
+            if current.count(old) != 1:
+                return "DOES NOT APPLY", 0.0
+            target.write_text(current.replace(old, new))
+        t0 = time.monotonic()
+        if where == "emulated":
+            env = {**os.environ, **build(), **extra_env}
+            proc = build_emulated.run_pytest(env, ["-x", *args], timeout=timeout)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        seconds = time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        return "caught (hang)", timeout
+    finally:
+        for target, text in originals.items():
+            target.write_text(text)
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    out = proc.stdout + proc.stderr
+    first = next((line.strip() for line in out.splitlines() if line.strip().startswith("E ") and "Error" in line), "")
+    summary = (out.strip().splitlines() or [""])[-1]
+    return f"caught: {summary[:80]} {first[:140]}", seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="run the mutants whose name contains this")
+    parser.add_argument("--timeout", type=float, default=900)
+    opts = parser.parse_args()
+    survived = 0
+    for name, edits, where, args, extra_env in MUTANTS:
+        if opts.only and opts.only not in name:
+            continue
+        result, seconds = run_mutant(edits, where, args, extra_env, opts.timeout)
+        survived += not result.startswith("caught")
+        print(f"| {name} | {where} | {result} | {seconds:.0f} s |", flush=True)
+    if any(where == "emulated" for _, _, where, _, _ in MUTANTS):
+        build()  # the restored sources, so the next run starts from them
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
