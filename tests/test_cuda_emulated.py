@@ -63,9 +63,9 @@ def test_test_cuda_passes_on_the_emulated_runtime(emulated_env):
     passed, skips = summary(out)
     # Every CUDA-backend check (eager, graphs, registration, reduce-scatter and
     # all-gather, mismatches, two streams, back to back) at 2, 4 and 8 ranks,
-    # the deadline, the README snippet and the capture error; only the Triton
-    # ones skipped.
-    assert passed >= 33, out[-3000:]
+    # the deadline, the README snippet, the capture error, calls beside another
+    # thread's capture; only the Triton ones skipped.
+    assert passed >= 34, out[-3000:]
     assert all("not emulated" in reason for reason in skips), out[-3000:]
 
 
@@ -98,6 +98,21 @@ def test_the_emulation_faults_on_host_access_to_device_memory_and_runs_no_torch_
     proc = subprocess.run([sys.executable, "-P", "-c", probe], cwd=build_emulated.OUT, env=emulated_env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -11 and proc.stdout == "read\n", (proc.returncode, proc.stdout, proc.stderr[-3000:])
+
+
+def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
+    """tests/emulated/rules.cpp: each rule of the emulation (capture modes and
+    what they prohibit, the legacy stream, the ending thread, isolation,
+    replays, unrecorded events, frees, IPC, host access) against the return
+    codes CUDA's Runtime API documents, through the runtime's C API alone."""
+    exe = tmp_path / "rules"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-I", build_emulated.cuda_include(), str(BUILD.parent / "rules.cpp"),
+                    "-L", str(build_emulated.LIB), "-lcudart_emulated", f"-Wl,-rpath,{build_emulated.LIB}",
+                    "-lpthread", "-o", str(exe)], check=True, capture_output=True, text=True)
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 13 and all(line.startswith("ok ") for line in lines), \
+        proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(os.environ.get("PYALLREDUCE_MUTANTS") != "1",

@@ -1,0 +1,305 @@
+// The emulated CUDA runtime's rules, one check each, against what CUDA's
+// Runtime API documentation says the runtime returns (each check cites the
+// section). The emulation is trusted for what these show and no more:
+// tests/test_cuda_emulated.py compiles this with g++ against the CUDA headers
+// alone, links it to build/emulated/lib/libcudart_emulated.so and runs it.
+// Prints "ok <rule>" or "FAIL <rule>: <why>" per rule; exits 1 on any failure.
+#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+
+void report(const char* rule, const std::string& why) {
+  if (why.empty()) {
+    std::printf("ok %s\n", rule);
+  } else {
+    std::printf("FAIL %s: %s\n", rule, why.c_str());
+    ++failures;
+  }
+}
+
+// "" when got == want, else what differs.
+std::string expect(cudaError_t got, cudaError_t want, const char* what) {
+  if (got == want) return "";
+  return std::string(what) + " returned " + cudaGetErrorName(got) + ", expected " + cudaGetErrorName(want);
+}
+
+// Runs fn in a child process; true when the child died of SIGSEGV.
+bool faults(const std::function<void()>& fn) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    fn();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV;
+}
+
+cudaStream_t new_stream() {
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  return s;
+}
+
+// Ends the capture of s; the status of cudaStreamEndCapture.
+cudaError_t end_capture(cudaStream_t s) {
+  cudaGraph_t graph = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(s, &graph);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  return err;
+}
+
+// cudaThreadExchangeStreamCaptureMode: "cudaStreamCaptureModeGlobal: ... if
+// the local thread has an ongoing capture sequence that was not initiated with
+// cudaStreamCaptureModeRelaxed ... this thread is prohibited from potentially
+// unsafe API calls"; a prohibited call fails and invalidates the capture
+// (cudaStreamEndCapture: cudaErrorStreamCaptureInvalidated).
+std::string unsafe_call_in_own_global_capture() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  void* p = nullptr;
+  std::string why = expect(cudaMalloc(&p, 256), cudaErrorStreamCaptureUnsupported, "cudaMalloc while capturing");
+  if (why.empty()) why = expect(end_capture(s), cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture");
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// Same section: "... or if any other thread has a concurrent capture sequence
+// initiated with cudaStreamCaptureModeGlobal, this thread is prohibited";
+// "cudaStreamCaptureModeRelaxed: the local thread is not prohibited".
+std::string unsafe_call_beside_another_threads_global_capture() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  cudaError_t global = cudaSuccess, relaxed = cudaErrorUnknown;
+  std::thread other([&] {
+    void* p = nullptr;
+    global = cudaMalloc(&p, 256);
+    cudaGetLastError();
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    relaxed = cudaMalloc(&p, 256);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (relaxed == cudaSuccess) cudaFree(p);
+  });
+  other.join();
+  std::string why = expect(global, cudaErrorStreamCaptureUnsupported, "another thread's cudaMalloc (global mode)");
+  if (why.empty()) why = expect(relaxed, cudaSuccess, "another thread's cudaMalloc (relaxed mode)");
+  if (why.empty()) why = expect(end_capture(s), cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture");
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// "cudaStreamCaptureModeThreadLocal: if the local thread has an ongoing
+// capture sequence not initiated with cudaStreamCaptureModeRelaxed, it is
+// prohibited": other threads are not.
+std::string thread_local_capture_leaves_other_threads_free() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  cudaError_t err = cudaErrorUnknown;
+  std::thread other([&] {
+    void* p = nullptr;
+    err = cudaMalloc(&p, 256);
+    if (err == cudaSuccess) cudaFree(p);
+  });
+  other.join();
+  std::string why = expect(err, cudaSuccess, "another thread's cudaMalloc");
+  if (why.empty()) why = expect(end_capture(s), cudaSuccess, "cudaStreamEndCapture");
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// "cudaStreamCaptureModeRelaxed: the local thread is not prohibited from
+// potentially unsafe API calls."
+std::string relaxed_capture_allows_its_own_unsafe_calls() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed);
+  void* p = nullptr;
+  std::string why = expect(cudaMalloc(&p, 256), cudaSuccess, "cudaMalloc in a relaxed capture");
+  if (why.empty()) why = expect(end_capture(s), cudaSuccess, "cudaStreamEndCapture");
+  cudaFree(p);
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// cudaStreamBeginCapture: "Capture may not be initiated if stream is cudaStreamLegacy."
+std::string no_capture_on_the_legacy_stream() {
+  const std::string why = expect(cudaStreamBeginCapture(cudaStreamLegacy, cudaStreamCaptureModeGlobal),
+                                 cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture(cudaStreamLegacy)");
+  cudaGetLastError();
+  return why;
+}
+
+// cudaStreamEndCapture: "If the capture was initiated with a mode other than
+// cudaStreamCaptureModeRelaxed, it must be ended on the same thread"
+// (cudaErrorStreamCaptureWrongThread).
+std::string a_global_capture_ends_on_its_own_thread() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  cudaError_t err = cudaSuccess;
+  std::thread other([&] { err = end_capture(s); });
+  other.join();
+  std::string why = expect(err, cudaErrorStreamCaptureWrongThread, "cudaStreamEndCapture on another thread");
+  if (why.empty()) why = expect(end_capture(s), cudaSuccess, "cudaStreamEndCapture on the beginning thread");
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// A capture may not wait on an event recorded outside it: the dependency
+// "crosses the capture sequence boundary" (cudaErrorStreamCaptureIsolation,
+// Runtime API "Data types": cudaError), and the capture is invalidated.
+std::string no_wait_on_an_event_recorded_outside_the_capture() {
+  cudaStream_t a = new_stream(), b = new_stream();
+  cudaEvent_t e = nullptr;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  cudaEventRecord(e, a);
+  cudaStreamBeginCapture(b, cudaStreamCaptureModeGlobal);
+  std::string why = expect(cudaStreamWaitEvent(b, e, 0), cudaErrorStreamCaptureIsolation, "cudaStreamWaitEvent");
+  cudaGetLastError();
+  if (why.empty()) why = expect(end_capture(b), cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture");
+  cudaEventDestroy(e);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+  return why;
+}
+
+// cudaStreamSynchronize of a stream being captured is prohibited
+// (cudaErrorStreamCaptureUnsupported) and invalidates its capture.
+std::string no_sync_of_a_capturing_stream() {
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed);  // even relaxed: it conflicts with the capture
+  std::string why = expect(cudaStreamSynchronize(s), cudaErrorStreamCaptureUnsupported, "cudaStreamSynchronize");
+  cudaGetLastError();
+  if (why.empty()) why = expect(end_capture(s), cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture");
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// cudaGraphLaunch: the captured work runs at every launch, with the arguments
+// it was captured with.
+std::string captured_work_replays() {
+  cudaStream_t s = new_stream();
+  void* p = nullptr;
+  cudaMalloc(&p, 64);
+  cudaMemset(p, 0, 64);
+  cudaStreamSynchronize(nullptr);
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  cudaMemsetAsync(p, 7, 64, s);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::string why = expect(cudaStreamEndCapture(s, &graph), cudaSuccess, "cudaStreamEndCapture");
+  unsigned char host[64] = {};
+  cudaMemcpy(host, p, 64, cudaMemcpyDeviceToHost);
+  if (why.empty() && host[0] != 0) why = "the captured memset ran at capture";
+  if (why.empty()) why = expect(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess, "cudaGraphInstantiate");
+  for (int replay = 0; replay < 2 && why.empty(); ++replay) {
+    cudaMemset(p, 0, 64);
+    why = expect(cudaGraphLaunch(exec, s), cudaSuccess, "cudaGraphLaunch");
+    cudaStreamSynchronize(s);
+    cudaMemcpy(host, p, 64, cudaMemcpyDeviceToHost);
+    if (why.empty() && (host[0] != 7 || host[63] != 7)) why = "a replay did not write the captured value";
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaFree(p);
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// cudaStreamWaitEvent: "If cudaEventRecord() has not been called on event,
+// this call acts as if the record has already completed, and so is a
+// functional no-op"; cudaEventSynchronize: "If cudaEventRecord() has not been
+// called on event, cudaSuccess is returned immediately."
+std::string an_unrecorded_event_is_complete() {
+  cudaStream_t s = new_stream();
+  cudaEvent_t e = nullptr;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  std::string why = expect(cudaStreamWaitEvent(s, e, 0), cudaSuccess, "cudaStreamWaitEvent");
+  if (why.empty()) why = expect(cudaEventSynchronize(e), cudaSuccess, "cudaEventSynchronize");
+  if (why.empty()) why = expect(cudaStreamSynchronize(s), cudaSuccess, "cudaStreamSynchronize");
+  cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+  return why;
+}
+
+// cudaFree: "cudaErrorInvalidValue ... if devPtr was not returned by an earlier
+// cudaMalloc"; cudaGetLastError: "Returns the last error ... and resets it to
+// cudaSuccess" (a non-sticky error).
+std::string free_of_an_interior_pointer_fails_and_the_error_clears() {
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  std::string why = expect(cudaFree(static_cast<char*>(p) + 256), cudaErrorInvalidValue, "cudaFree(interior)");
+  if (why.empty()) why = expect(cudaGetLastError(), cudaErrorInvalidValue, "cudaGetLastError");
+  if (why.empty()) why = expect(cudaGetLastError(), cudaSuccess, "cudaGetLastError again");
+  if (why.empty()) why = expect(cudaFree(p), cudaSuccess, "cudaFree(base)");
+  return why;
+}
+
+// cudaIpcGetMemHandle exports device allocations only (cudaErrorInvalidValue
+// for host memory); cudaIpcOpenMemHandle "cannot be used to open a handle in
+// the process that created it".
+std::string ipc_exports_device_memory_and_not_to_itself() {
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaIpcMemHandle_t handle;
+  std::string why = expect(cudaIpcGetMemHandle(&handle, p), cudaSuccess, "cudaIpcGetMemHandle(device)");
+  void* opened = nullptr;
+  if (why.empty()) {
+    why = expect(cudaIpcOpenMemHandle(&opened, handle, cudaIpcMemLazyEnablePeerAccess),
+                 cudaErrorDeviceUninitialized, "cudaIpcOpenMemHandle(own handle)");
+  }
+  cudaGetLastError();
+  std::vector<char> host(64);
+  if (why.empty()) why = expect(cudaIpcGetMemHandle(&handle, host.data()), cudaErrorInvalidValue,
+                                "cudaIpcGetMemHandle(host memory)");
+  cudaGetLastError();
+  cudaFree(p);
+  return why;
+}
+
+// The emulation's own honesty rules (what a GPU does): host code that reads
+// device memory faults, and so does a read past an allocation's end.
+std::string host_reads_of_device_memory_fault() {
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaStreamSynchronize(nullptr);
+  std::string why;
+  if (!faults([p] { std::printf("%d\n", *static_cast<volatile int*>(p)); })) why = "a host read did not fault";
+  cudaFree(p);
+  return why;
+}
+
+}  // namespace
+
+int main() {
+  const std::vector<std::pair<const char*, std::function<std::string()>>> rules = {
+      {"unsafe_call_in_own_global_capture", unsafe_call_in_own_global_capture},
+      {"unsafe_call_beside_another_threads_global_capture", unsafe_call_beside_another_threads_global_capture},
+      {"thread_local_capture_leaves_other_threads_free", thread_local_capture_leaves_other_threads_free},
+      {"relaxed_capture_allows_its_own_unsafe_calls", relaxed_capture_allows_its_own_unsafe_calls},
+      {"no_capture_on_the_legacy_stream", no_capture_on_the_legacy_stream},
+      {"a_global_capture_ends_on_its_own_thread", a_global_capture_ends_on_its_own_thread},
+      {"no_wait_on_an_event_recorded_outside_the_capture", no_wait_on_an_event_recorded_outside_the_capture},
+      {"no_sync_of_a_capturing_stream", no_sync_of_a_capturing_stream},
+      {"captured_work_replays", captured_work_replays},
+      {"an_unrecorded_event_is_complete", an_unrecorded_event_is_complete},
+      {"free_of_an_interior_pointer_fails_and_the_error_clears", free_of_an_interior_pointer_fails_and_the_error_clears},
+      {"ipc_exports_device_memory_and_not_to_itself", ipc_exports_device_memory_and_not_to_itself},
+      {"host_reads_of_device_memory_fault", host_reads_of_device_memory_fault},
+  };
+  for (const auto& [name, check] : rules) report(name, check());
+  return failures == 0 ? 0 : 1;
+}
