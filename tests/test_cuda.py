@@ -578,6 +578,51 @@ def check_beside_another_threads_capture(rank, world):
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
+def check_backend_with_cuda_tensors(rank, world, store_file):
+    """README's torch.distributed snippet with CUDA tensors, as written:
+    dist.init_process_group("pyallreduce"), then all_reduce (sum, avg, and
+    async with wait() on another stream: NCCL's stream semantics),
+    reduce-scatter and all-gather into tensors; destroy_process_group() closes
+    the CUDA communicator collectively (the review's bug 1: it raised once the
+    backend had served a CUDA call), and a new group starts after it."""
+    import torch.distributed as dist
+
+    import pyallreduce  # noqa: F401  (registers the backend)
+    from pyallreduce.reference import _dist_all_gather, _dist_reduce_scatter
+
+    torch.cuda.set_device(0)
+    dist.destroy_process_group()  # run_ranks' gloo group
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    x = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    dist.all_reduce(x)
+    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 5))
+    y = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    dist.all_reduce(y, op=dist.ReduceOp.AVG)
+    assert torch.equal(y.cpu(), exact_avg(1000, world, torch.float32, 5))
+
+    z = on_gpu(exact_input(4096, rank, torch.float32, 6))
+    work = dist.all_reduce(z, async_op=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        work.wait()  # the side stream waits for the collective's stream
+        got = z.cpu()  # copied on the side stream
+    assert torch.equal(got, exact_sum(4096, world, torch.float32, 6))
+
+    seg = 1024
+    out = on_gpu(torch.zeros(seg))
+    _dist_reduce_scatter(out, on_gpu(exact_input(seg * world, rank, torch.float32, 7)))
+    assert torch.equal(out.cpu(), exact_sum(seg * world, world, torch.float32, 7)[rank * seg:(rank + 1) * seg])
+    gathered = on_gpu(torch.zeros(seg * world))
+    _dist_all_gather(gathered, on_gpu(exact_input(seg, rank, torch.float32, 8)))
+    assert torch.equal(gathered.cpu(), torch.cat([exact_input(seg, q, torch.float32, 8) for q in range(world)]))
+
+    dist.destroy_process_group()  # closes the CUDA communicator with its peers
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)
+    again = on_gpu(exact_input(300, rank, torch.float32, 9))
+    dist.all_reduce(again)
+    assert torch.equal(again.cpu(), exact_sum(300, world, torch.float32, 9))
+
+
 # ---- many calls back to back ---------------------------------------------------------
 
 
@@ -629,6 +674,11 @@ def test_readme_capture_snippet_runs_as_written():
 
 def test_beside_another_threads_capture():
     run_ranks(check_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+def test_backend_with_cuda_tensors(tmp_path):
+    # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
+    run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
 
 
 def test_uncapturable_fallback_says_why():

@@ -70,6 +70,10 @@ MUTANTS = [
   DeviceScope scope(device);''', '''void synchronize_device(int device) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
      "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
+    ("destroy_process_group closes the CUDA communicator without serving (the review's bug 1)",
+     [("pyallreduce/backend.py", "                with self._serve_here():\n                    for comm in comms:",
+       "                if True:\n                    for comm in comms:")],
+     "emulated", [TEST_CUDA, "-k", "backend_with_cuda_tensors"], {}),
     ("captured inputs released at close before the peers unmapped",
      [("pyallreduce/engines/cuda.py", "                self.transport.keep(_C.cuda_clear_buffers(self.handle))",
        "                _C.cuda_clear_buffers(self.handle)")],
