@@ -110,10 +110,12 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
     subprocess.run(["g++", "-std=c++20", "-O1", "-I", build_emulated.cuda_include(), str(BUILD.parent / "rules.cpp"),
                     "-L", str(build_emulated.LIB), "-lcudart_emulated", f"-Wl,-rpath,{build_emulated.LIB}",
                     "-lpthread", "-o", str(exe)], check=True, capture_output=True, text=True)
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    lines = proc.stdout.splitlines()
-    assert proc.returncode == 0 and len(lines) == 13 and all(line.startswith("ok ") for line in lines), \
-        proc.stdout + proc.stderr
+    for delay in ("0", "300"):  # and with device work starting up to 300 us late: a check that races shows
+        proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYALLREDUCE_EMULATED_DELAY_US": delay})
+        lines = proc.stdout.splitlines()
+        assert proc.returncode == 0 and len(lines) == 13 and all(line.startswith("ok ") for line in lines), \
+            f"delay {delay} us:\n{proc.stdout}{proc.stderr}"
 
 
 @pytest.mark.skipif(os.environ.get("PYALLREDUCE_MUTANTS") != "1",

@@ -28,7 +28,10 @@ BACKENDS = ("auto", "cuda", "triton", "cpu")
 class Engine(Protocol):
     """One communicator's executor. Every call it gets is eager or captured,
     has nonzero bytes, contiguous tensors of a dtype it takes, and fits one
-    run (`piece_bytes`); the ranks' agreement on the call is the kernels'."""
+    run (`piece_bytes`); the ranks' agreement on the call is the kernels'.
+    Before construction, group.py asks the class two things every rank must
+    agree on: resolve_nblocks(nblocks, device) and gpu_capacity(device,
+    world_size) (the GPU and how many blocks of its kernels fit at once)."""
 
     name: str
     transport: Transport

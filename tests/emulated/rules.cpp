@@ -206,7 +206,8 @@ std::string captured_work_replays() {
   if (why.empty() && host[0] != 0) why = "the captured memset ran at capture";
   if (why.empty()) why = expect(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess, "cudaGraphInstantiate");
   for (int replay = 0; replay < 2 && why.empty(); ++replay) {
-    cudaMemset(p, 0, 64);
+    cudaMemset(p, 0, 64);  // on the legacy stream, which s (non-blocking) does not wait for:
+    cudaStreamSynchronize(nullptr);
     why = expect(cudaGraphLaunch(exec, s), cudaSuccess, "cudaGraphLaunch");
     cudaStreamSynchronize(s);
     cudaMemcpy(host, p, 64, cudaMemcpyDeviceToHost);
