@@ -46,6 +46,10 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
     faulthandler.enable()  # a rank that crashes (SIGSEGV in native code) shows where, on its stderr
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except RuntimeError:  # before fn ran: run_ranks may start the ranks again (see _SETUP_ATTEMPTS)
+        report.send(("setup error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    try:
         # Plain pickle copies tensor data into the message. The queue's own pickler
         # would pass tensors as shared-memory file descriptors that the parent fetches
         # from this process later, which fails once this process has exited.
@@ -66,6 +70,18 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
 
 class RankFailure(AssertionError):
     pass
+
+
+class _SetupFailure(RankFailure):
+    """The gloo group of run_ranks itself could not form (before any rank ran
+    fn): seen as "Gloo connectFullMesh failed ... Connection closed by peer"
+    on this 2-core machine now and then, a port taken between free_port() and
+    the listen, or a peer's connection reset."""
+
+
+# How often run_ranks starts the ranks when their gloo group fails to form;
+# the test's own code never runs twice (it runs only once the group exists).
+_SETUP_ATTEMPTS = 2
 
 
 def _forkserver():
@@ -97,6 +113,15 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
     expect_exit: {rank: exitcode} for ranks a test kills on purpose; those
     ranks report no result and their exit code must match.
     """
+    for attempt in range(1, _SETUP_ATTEMPTS + 1):
+        try:
+            return _run_ranks_once(fn, world_size, args, timeout, env, expect_exit)
+        except _SetupFailure:
+            if attempt == _SETUP_ATTEMPTS:
+                raise
+
+
+def _run_ranks_once(fn, world_size, args, timeout, env, expect_exit):
     ctx = _forkserver()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (read end, write end) per rank
     port = free_port()
@@ -112,7 +137,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
     waiting = {pipes[r][0]: r for r in range(world_size) if r not in expect_exit}
     deadline = time.monotonic() + timeout
     try:
-        while waiting and not any(status == "error" for status, _ in outcomes.values()):
+        while waiting and not any(status in ("error", "setup error") for status, _ in outcomes.values()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RankFailure(f"ranks {sorted(waiting.values())} did not finish within {timeout:.0f} s")
@@ -123,6 +148,10 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_e
                 except EOFError:
                     procs[r].join(timeout=5)
                     raise RankFailure(f"ranks {[r]} exited with codes {[procs[r].exitcode]} without reporting") from None
+        setup = {r: v for r, (s, v) in outcomes.items() if s == "setup error"}
+        if setup:
+            raise _SetupFailure("\n".join(f"--- rank {r} could not join the gloo group:\n{tb}"
+                                          for r, tb in sorted(setup.items())))
         errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
             raise RankFailure("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))

@@ -1,0 +1,52 @@
+"""tests/launch.py itself: when the ranks' gloo group cannot form (before any
+rank runs the test's function), run_ranks starts the ranks again once, and
+then fails saying so."""
+import socket
+import threading
+
+import pytest
+
+import launch
+
+pytestmark = pytest.mark.quick
+
+
+def _rank(rank, world):
+    return rank
+
+
+@pytest.fixture
+def closing_port():
+    """A port whose every connection is closed at once: no TCPStore there."""
+    with socket.socket() as bad:
+        bad.bind(("127.0.0.1", 0))
+        bad.listen()
+
+        def slam():
+            try:
+                while True:
+                    conn, _ = bad.accept()
+                    conn.close()
+            except OSError:  # closed at the end of the test
+                pass
+
+        threading.Thread(target=slam, daemon=True).start()
+        yield bad.getsockname()[1]
+
+
+def test_a_group_that_fails_to_form_is_started_again(monkeypatch, closing_port):
+    real, ports = launch.free_port, []
+
+    def port():
+        ports.append(1)
+        return closing_port if len(ports) == 1 else real()
+
+    monkeypatch.setattr(launch, "free_port", port)
+    assert launch.run_ranks(_rank, 2, timeout=120) == [0, 1]
+    assert len(ports) == 2
+
+
+def test_a_group_that_never_forms_fails_saying_so(monkeypatch, closing_port):
+    monkeypatch.setattr(launch, "free_port", lambda: closing_port)
+    with pytest.raises(launch.RankFailure, match="could not join the gloo group"):
+        launch.run_ranks(_rank, 2, timeout=120)
