@@ -4,8 +4,8 @@
 // world size so every per-peer loop is unrolled and all W loads of a vector are
 // in flight together. csrc/cuda/kernels.cu instantiates them behind
 // kernel_api.h, which also holds what the host side shares with them (the
-// call, the status record, the graph entry); csrc/cuda/all_reduce.cpp only
-// picks the source mode and calls that API.
+// call, the status record, the graph entry); the glue (csrc/cuda/glue.cpp)
+// only picks the source mode and calls that API.
 //
 // Work split. A chunk is kThreads x 16 bytes (8 KiB), the same for every dtype:
 // thread t of a block handles the 16-byte vector t of each of its chunks.
@@ -704,7 +704,7 @@ __global__ void __launch_bounds__(kThreads, 1) all_gather_kernel(const KernelArg
 // The algorithm that runs: in-place zero-copy exists only in the two-shot
 // structure (one-shot would overwrite its input while peers still read it),
 // so such a call runs two-shot whatever was asked (and an in-place call gets
-// a graph entry only when it runs two-shot: see csrc/cuda/all_reduce.cpp).
+// a graph entry only when it runs two-shot: see plan_call in csrc/cuda/call_plan.h).
 inline int64_t kernel_algo(int64_t algo, Mode mode) {
   return algo == kOneShot && mode == kRegisteredInPlace ? kTwoShot : algo;
 }

@@ -1,4 +1,4 @@
-// The decisions csrc/cuda/all_reduce.cpp makes for one call, as plain functions
+// The decisions the CUDA glue (csrc/cuda/glue.cpp) makes for one call, as plain functions
 // without torch or CUDA runtime calls, so tests/sim (the CUDA-on-host harness)
 // runs exactly the glue's choices in front of the real kernels: the source
 // mode, the aligned temporaries, graph-table eligibility, graph-table slots,

@@ -1,4 +1,4 @@
-// What the host side (csrc/cuda/all_reduce.cpp, compiled by g++ with torch)
+// What the host side (csrc/cuda/glue.cpp, compiled by g++ without torch)
 // shares with the kernels (all_reduce.cuh, compiled by nvcc in
 // csrc/cuda/kernels.cu, the only file with device code): the call, the status
 // record, the graph-table entry, and the launch functions kernels.cu defines.
@@ -44,8 +44,8 @@ enum Mode : int {
 // What a kernel leaves for the host when a call cannot complete, instead of
 // trapping (a trap makes the process's CUDA context unusable for good). One
 // record per communicator in pinned host memory mapped into the device, so the
-// host reads it without synchronising: csrc/cuda/all_reduce.cpp checks it before
-// every launch, after an agreement round and in cuda_check. The first failing
+// host reads it without synchronising: csrc/cuda/glue.cpp checks it before
+// every launch, after an agreement round and in check(). The first failing
 // block claims it, fills it in, and stores code last (release, system scope);
 // the host reads code (acquire), then the rest. The claim is an atomicMax of
 // the record's generation on a word in device memory (Call::claim), not an
@@ -94,7 +94,7 @@ struct GraphEntry {
   int64_t mode;                       // kStaged, kRegistered or kRegisteredInPlace
 };
 
-// One call as the glue (csrc/cuda/all_reduce.cpp) describes it.
+// One call as the glue (csrc/cuda/glue.cpp) describes it.
 struct Call {
   char* regions[kMaxRanks];     // each rank's region base as mapped in this process
   char* registered[kMaxRanks];  // zero-copy modes: each rank's input as mapped here
