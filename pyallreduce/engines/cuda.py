@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .. import _C, logs
 from ..protocol import staged_piece_bytes
 from ..transport import cuda_ipc  # its functions looked up at each call: tests stub them there
@@ -107,8 +109,6 @@ class CudaEngine(NativeEngine):
         rank makes the same gathers whatever happens here: a rank whose capture
         failed (aborted) or that cannot take part says so in the first one and
         every other rank raises, instead of some waiting for the others."""
-        import torch
-
         calls, calls_without_entry, problem = [], 0, CAPTURE_ABORTED if aborted else None
         try:
             calls, calls_without_entry = _C.cuda_graph_capture_end(self.handle)
