@@ -386,9 +386,7 @@ class Communicator:
         if reason is not None:
             if not torch.compiler.is_compiling():
                 logs.log_once(f"torch.distributed.all_reduce used: {reason}")
-                problem = reference.capture_problem(self.device, self.group, reason)
-                if problem is not None:
-                    raise RuntimeError(problem)
+                reference.check_capturable(self.device, self.group, reason)
             self._agree(src, dst, average, _C.MODE_FALLBACK)
             return reference.all_reduce(src, dst, average, self.group, self.world_size)
         if src.numel() == 0:
@@ -432,9 +430,7 @@ class Communicator:
         if reason is not None:
             if not torch.compiler.is_compiling():
                 logs.log_once(f"torch.distributed used for {'reduce_scatter' if scatters else 'all_gather'}: {reason}")
-                problem = reference.capture_problem(self.device, self.group, reason)
-                if problem is not None:
-                    raise RuntimeError(problem)
+                reference.check_capturable(self.device, self.group, reason)
             self._agree(src, dst, average, _C.MODE_FALLBACK, collective)
             return reference.scatter_or_gather(scatters, src, dst, average, self.group, self.world_size)
         if nbytes == 0:

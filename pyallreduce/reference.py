@@ -4,8 +4,6 @@ the crossover gives to the reference), and the debug mode's fingerprint
 exchange. The decision to come here is the Communicator's."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -46,17 +44,17 @@ def scatter_or_gather(scatters, src, dst, average, group, world_size):
     dst.copy_(work.view(dst.shape))
 
 
-def capture_problem(device, group, reason) -> Optional[str]:
-    """Why a call going to torch.distributed (for `reason`) cannot run now, or
-    None: a CUDA graph captures torch.distributed's all-reduce only over NCCL;
-    over gloo it invalidates the capture with an error that does not say why
-    this call went there."""
+def check_capturable(device, group, reason):
+    """Raises, before anything is enqueued, when a call going to
+    torch.distributed (for `reason`) cannot run now: a CUDA graph captures
+    torch.distributed's all-reduce only over NCCL; over gloo it invalidates
+    the capture with an error that does not say why this call went there."""
     if not stream_capturing(device):
-        return None
+        return
     backend = str(dist.get_backend(group))
-    if "nccl" in backend:
-        return None
-    return (f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "
+    if "nccl" not in backend:
+        raise RuntimeError(
+            f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "
             f"{backend!r} cannot run inside a CUDA graph capture; give the Communicator a group with NCCL "
             "for CUDA tensors, or make this call outside the capture")
 
