@@ -44,7 +44,8 @@ void cuda_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   if (input.numel() == 0) return;  // same size on every rank: nobody signals, epochs stay in step
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(ctx.device));
   cudaStream_t stream = current_stream(ctx.device);
-  cuda::raise_deadline(ctx, stream);
+  cuda::StatusRecord& rec = cuda::record_of(ctx);  // once per call: every step below uses it
+  cuda::raise_deadline(ctx, rec, stream);
   const bool segmented = algo == kReduceScatter || algo == kAllGather;
   const at::Tensor& segment = algo == kReduceScatter ? out : input;
   cuda::CallArgs args{static_cast<const char*>(input.data_ptr()), static_cast<char*>(out.data_ptr()),
@@ -53,9 +54,9 @@ void cuda_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
   args.reduces = element_of(input.scalar_type(), args.element);
   bool launched;
   if (segmented) {
-    launched = cuda::launch_segment(ctx, stream, args);
+    launched = cuda::launch_segment(ctx, rec, stream, args);
   } else {
-    cuda::AllReduceCall c = cuda::plan_all_reduce(ctx, stream, args);
+    cuda::AllReduceCall c = cuda::plan_all_reduce(ctx, rec, stream, args);
     at::Tensor input_tmp, out_tmp;
     const char* in_ptr = args.input;
     char* out_ptr = args.out;
@@ -71,12 +72,12 @@ void cuda_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
     }
     // A graph entry keeps the input alive until close() (peers map it).
     const cuda::MakeKeep keep = [&input] { return std::make_shared<at::Tensor>(input); };
-    launched = cuda::launch_all_reduce(ctx, stream, c, in_ptr, out_ptr, args, keep);
+    launched = cuda::launch_all_reduce(ctx, rec, stream, c, in_ptr, out_ptr, args, keep);
     if (launched && out_tmp.defined()) out.copy_(out_tmp);
   }
   TORCH_CHECK(launched, "pyallreduce: no CUDA kernel for dtype ", input.scalar_type(), " and world size ",
               ctx.world_size);
-  cuda::raise_recorded(ctx, stream);
+  cuda::raise_recorded(ctx, rec, stream);
 }
 
 void cuda_agree(Context& ctx, CallDesc desc) {

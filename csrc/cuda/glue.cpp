@@ -252,6 +252,8 @@ GraphTable& graph_table_of(const Context& ctx) {
 // the capture. Freed by clear_buffers (cudaFreeHost waits for the device, so
 // no kernel still writes it).
 
+}  // namespace
+
 struct StatusRecord {
   CallStatus* host = nullptr;
   CallStatus* device = nullptr;   // the same memory as the kernels address it
@@ -260,6 +262,8 @@ struct StatusRecord {
   LaunchOrder order;              // the last eager launch's stream (call_plan.h)
   cudaEvent_t launched = nullptr; // recorded after it
 };
+
+namespace {
 
 std::mutex status_mutex;
 std::unordered_map<const Context*, StatusRecord> status_by_context;
@@ -272,14 +276,17 @@ void free_status(StatusRecord& rec) {
   rec = StatusRecord{};
 }
 
-// The record of ctx, made by prepare().
-StatusRecord& status_of(const Context& ctx) {
+}  // namespace
+
+StatusRecord& record_of(const Context& ctx) {
   std::lock_guard<std::mutex> lock(status_mutex);
   auto it = status_by_context.find(&ctx);
   require(it != status_by_context.end() && it->second.own_region == ctx.own_region(),
           "this CUDA communicator has no status record (_C.cuda_prepare was not called after create_context)");
   return it->second;
 }
+
+namespace {
 
 // Launches one kernel of the communicator after its previous one, whatever
 // stream each is on (call_plan.h LaunchOrder).
@@ -379,7 +386,7 @@ void prepare(Context& ctx, cudaStream_t stream) {
 }
 
 void check(Context& ctx, cudaStream_t stream) {
-  StatusRecord& rec = status_of(ctx);
+  StatusRecord& rec = record_of(ctx);
   // Every kernel launched so far finishes or reaches its deadline.
   if (!is_capturing(stream)) wait_for_kernels(rec, stream);
   raise_from(ctx, rec, stream, /*mismatch_too=*/true);
@@ -389,7 +396,7 @@ void agree(Context& ctx, CallDesc desc, cudaStream_t stream) {
   // The host must know the answer before it calls torch.distributed, and a
   // capture cannot wait for it: there is no agreement round inside a capture.
   if (is_capturing(stream)) return;
-  StatusRecord& rec = status_of(ctx);
+  StatusRecord& rec = record_of(ctx);
   // An earlier call's deadline: launch nothing. Its mismatch is raised after
   // the round (every rank runs every round), with the round's own if any: the
   // record counts both.
@@ -429,8 +436,8 @@ int64_t resident_blocks(int device, int64_t world_size) {
 
 // ---- one collective call ---------------------------------------------------------------
 
-void raise_deadline(Context& ctx, cudaStream_t stream) {
-  raise_from(ctx, status_of(ctx), stream, /*mismatch_too=*/false);
+void raise_deadline(Context& ctx, StatusRecord& rec, cudaStream_t stream) {
+  raise_from(ctx, rec, stream, /*mismatch_too=*/false);
 }
 
 // Its mismatch is raised only after a call is launched: the host cannot know
@@ -438,12 +445,11 @@ void raise_deadline(Context& ctx, cudaStream_t stream) {
 // yet depends on timing; every rank launching every call keeps the ranks in
 // step whichever call each one raises in (the record counts every mismatched
 // call, so none goes unreported).
-void raise_recorded(Context& ctx, cudaStream_t stream) {
-  raise_from(ctx, status_of(ctx), stream, /*mismatch_too=*/true);
+void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream) {
+  raise_from(ctx, rec, stream, /*mismatch_too=*/true);
 }
 
-bool launch_segment(Context& ctx, cudaStream_t stream, const CallArgs& args) {
-  StatusRecord& rec = status_of(ctx);
+bool launch_segment(Context& ctx, StatusRecord& rec, cudaStream_t stream, const CallArgs& args) {
   Call call = new_call(ctx, rec);
   call.bytes = args.bytes;
   call.desc_bytes = static_cast<uint64_t>(ctx.world_size) * static_cast<uint64_t>(args.bytes);
@@ -474,9 +480,9 @@ bool launch_segment(Context& ctx, cudaStream_t stream, const CallArgs& args) {
   return launched;
 }
 
-AllReduceCall plan_all_reduce(Context& ctx, cudaStream_t stream, const CallArgs& args) {
+AllReduceCall plan_all_reduce(Context& ctx, const StatusRecord& rec, cudaStream_t stream, const CallArgs& args) {
   AllReduceCall c;
-  c.call = new_call(ctx, status_of(ctx));
+  c.call = new_call(ctx, rec);
   c.call.bytes = args.bytes;
   c.call.desc_bytes = static_cast<uint64_t>(args.bytes);
   c.call.algo = args.algo;
@@ -494,9 +500,8 @@ AllReduceCall plan_all_reduce(Context& ctx, cudaStream_t stream, const CallArgs&
   return c;
 }
 
-bool launch_all_reduce(Context& ctx, cudaStream_t stream, AllReduceCall& c, const char* input, char* out,
-                       const CallArgs& args, const MakeKeep& keep) {
-  StatusRecord& rec = status_of(ctx);
+bool launch_all_reduce(Context& ctx, StatusRecord& rec, cudaStream_t stream, AllReduceCall& c, const char* input,
+                       char* out, const CallArgs& args, const MakeKeep& keep) {
   c.call.input = input;
   c.call.out = out;
   c.call.graph_entry = graph_entry_for(ctx, stream, c.plan.graph_entry_eligible, &keep, input, args.bytes,

@@ -48,6 +48,11 @@ int64_t resident_blocks(int device, int64_t world_size);
 
 // ---- one collective call ---------------------------------------------------------------
 
+// The communicator's status record and launch order (made by prepare()):
+// looked up once per call by record_of and passed to each step below.
+struct StatusRecord;
+StatusRecord& record_of(const Context& ctx);
+
 // A call as the adapter describes it: this rank's buffers (the all-reduce's
 // 16-byte aligned: see plan_all_reduce), the payload (reduce-scatter and
 // all-gather: the segment S of protocol.h), what the descriptor says.
@@ -64,12 +69,12 @@ struct CallArgs {
 
 // Before anything is launched: an earlier call's deadline left the ranks
 // out of step, so this raises it and nothing is launched.
-void raise_deadline(Context& ctx, cudaStream_t stream);
+void raise_deadline(Context& ctx, StatusRecord& rec, cudaStream_t stream);
 // After the launch: what an earlier kernel recorded (see check()).
-void raise_recorded(Context& ctx, cudaStream_t stream);
+void raise_recorded(Context& ctx, StatusRecord& rec, cudaStream_t stream);
 // Reduce-scatter and all-gather: staged whatever is registered, no
 // temporaries. Returns whether a kernel exists for the dtype and world size.
-bool launch_segment(Context& ctx, cudaStream_t stream, const CallArgs& args);
+bool launch_segment(Context& ctx, StatusRecord& rec, cudaStream_t stream, const CallArgs& args);
 // An all-reduce in two steps: the plan says which temporaries the adapter
 // must make (a misaligned input or out goes through an aligned copy), then
 // the launch with the buffers the kernel reads and writes.
@@ -78,9 +83,9 @@ struct AllReduceCall {
   CallPlan plan;
   bool capturing = false;
 };
-AllReduceCall plan_all_reduce(Context& ctx, cudaStream_t stream, const CallArgs& args);
-bool launch_all_reduce(Context& ctx, cudaStream_t stream, AllReduceCall& c, const char* input, char* out,
-                       const CallArgs& args, const MakeKeep& keep);
+AllReduceCall plan_all_reduce(Context& ctx, const StatusRecord& rec, cudaStream_t stream, const CallArgs& args);
+bool launch_all_reduce(Context& ctx, StatusRecord& rec, cudaStream_t stream, AllReduceCall& c, const char* input,
+                       char* out, const CallArgs& args, const MakeKeep& keep);
 
 // ---- zero-copy registrations ---------------------------------------------------------
 
