@@ -68,9 +68,12 @@ def _serves(device):
 
 def _all_strided_on(device, tensors):
     for t in tensors:  # a loop, not any(generator): half the cost for two tensors
-        if t.device != device or t.layout != torch.strided:
+        if t.device != device or t.layout is not _STRIDED:
             return False
     return True
+
+
+_STRIDED = torch.strided
 
 
 class _Serving(threading.local):
@@ -241,22 +244,24 @@ class PyallreduceBackend(_C10dBackend):
         generator, no contextmanager), as it costs on every small collective."""
         serving = self._serving
         device = tensors[0].device if tensors else None
-        if (serving.active or device is None or not _serves(device) or tensors[0].layout != torch.strided
-                or (len(tensors) > 1 and not _all_strided_on(device, tensors[1:]))):
+        if serving.active or device is None or not _serves(device) or not _all_strided_on(device, tensors):
             why = None if serving.active else "tensors on several devices, sparse, or of a device it does not serve"
             return self._inner_call(name, why, *args)
+        if result is None:
+            result = tensors
         with self._turn:
             serving.active = True  # its own torch.distributed calls go to the inner backend
             try:
                 run(self._comms.get(device) or self._communicator(device))
             except Exception as e:
-                return CompletedWork(result if result is not None else tensors, e)
+                return CompletedWork(result, e)
             finally:
                 serving.active = False
+        if not tensors[0].is_cuda:
+            return CompletedWork(result)
         # Inside a CUDA graph capture the graph itself orders the captured work.
-        stream = (torch.cuda.current_stream(device)
-                  if tensors[0].is_cuda and not torch.cuda.is_current_stream_capturing() else None)
-        return CompletedWork(result if result is not None else tensors, launch_stream=stream)
+        return CompletedWork(result, None, None if torch.cuda.is_current_stream_capturing()
+                             else torch.cuda.current_stream(device))
 
     def _is_serving(self):
         return self._serving.active

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 import weakref
 
@@ -14,36 +15,25 @@ import torch
 import torch.distributed as dist
 
 from . import _C, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
-from .engines import engine_class, graph_capture_problem, resolve_backend, resolve_device, stream_capturing
+from .arguments import (ALGOS, algo_id, average_or_none, check_numel, check_same_as, check_tensor, data, eager, gathered_shape,
+                        parse_op, scattered_shape, staging_bytes, timeout_seconds)
+from .engines import check_capture_entry, engine_class, resolve_backend, resolve_device, stream_capturing
 from .group import agree_on_group
-from .protocol import REDUCED_DTYPES, is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
+from .pieces import reduce_in_chunks, scatter_or_gather_in_pieces
+from .protocol import REDUCED_DTYPES, described_bytes, not_reduced_reason, partial_overlap_problem
+from .protocol import nbytes as nbytes_of
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch.distributed's default too
 DEFAULT_MAX_BYTES = 32 << 20
-ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 DEBUG_ENV = "PYALLREDUCE_DEBUG"
-
-_AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
-
-
-def parse_op(op):
-    """'sum' | 'avg' | dist.ReduceOp.SUM | dist.ReduceOp.AVG -> average?"""
-    try:
-        return _AVERAGE[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"pyallreduce: op must be 'sum' or 'avg', got {op!r}") from None
-
-
-def _timeout_seconds(timeout):
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"pyallreduce: timeout must be positive, got {timeout!r}")
-    return seconds
+# The agreement round's collective ids (an all-reduce agrees as AGREE_ONLY) -> the names users call.
+COLLECTIVE_NAMES = {_C.AGREE_ONLY: "all_reduce", _C.REDUCE_SCATTER: "reduce_scatter", _C.ALL_GATHER: "all_gather"}
 
 
 class Communicator:
-    """All-reduce among the ranks of `group` (default: the world group) that
-    share one host, by reading each other's memory directly.
+    """All-reduce, reduce-scatter and all-gather among the ranks of `group`
+    (default: the world group) that share one host, by reading each other's
+    memory directly.
 
     device: the tensors' device; None means the current CUDA device when CUDA
         is available, else CPU.
@@ -59,8 +49,8 @@ class Communicator:
 
     Construction is collective: every rank of the group must create it. Groups
     the backend cannot serve (more than MAX_RANKS ranks, several hosts, no
-    full peer-to-peer mesh) fall back to torch.distributed.all_reduce with one
-    logged reason, as do dtypes other than float32/float16/bfloat16.
+    full peer-to-peer mesh) fall back to torch.distributed with one logged
+    reason, as do reductions of dtypes other than float32/float16/bfloat16.
     """
 
     def __init__(self, group=None, *, device=None, max_bytes=DEFAULT_MAX_BYTES, backend="auto",
@@ -74,10 +64,8 @@ class Communicator:
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         engine_type = engine_class(self.backend)
-        if int(max_bytes) <= 0:
-            raise ValueError(f"pyallreduce: max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = -(-int(max_bytes) // _C.ALIGNMENT) * _C.ALIGNMENT
-        self.timeout_s = _timeout_seconds(timeout)
+        self.max_bytes = staging_bytes(max_bytes)
+        self.timeout_s = timeout_seconds(timeout)
         self.debug = bool(int(os.environ.get(DEBUG_ENV, "0"))) if debug is None else bool(debug)
         self._calls = 0
         self._capturing = False
@@ -97,8 +85,6 @@ class Communicator:
             logs.log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
         _live.add(self)
 
-    # ---- public API --------------------------------------------------------
-
     def all_reduce(self, tensor, op="sum", algo="auto", out=None):
         """Returns the reduction of `tensor` across ranks (out-of-place); writes
         into `out` (same shape, dtype, device) when given. The result does not
@@ -108,11 +94,8 @@ class Communicator:
             return result
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
-        if out is None:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        else:
-            self._check_out(tensor, out)
-        self._reduce(_data(tensor), _data(out), average, algo)
+        out = self._out(tensor, out, tensor.shape, same_shape=True)
+        self._reduce(data(tensor), data(out), average, algo)
         return out
 
     def all_reduce_(self, tensor, op="sum", algo="auto"):
@@ -122,8 +105,7 @@ class Communicator:
             return tensor
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
-        data = _data(tensor)
-        self._reduce(data, data, average, algo)
+        self._reduce(data(tensor), data(tensor), average, algo)
         return tensor
 
     def reduce_scatter(self, tensor, op="sum", out=None):
@@ -134,16 +116,12 @@ class Communicator:
         else in a new tensor of shape (d0 // world_size, *rest) (flat when d0
         does not divide). The sum is the fixed rank-order fp32 sum of
         all_reduce: the bits of all_reduce(tensor) in segment r."""
+        if out is not None and self._direct_segments(_C.REDUCE_SCATTER, tensor, out, average_or_none(op)):
+            return out
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
-        segment = self._segment_numel(tensor, "tensor")
-        if out is None:
-            shape = ((tensor.shape[0] // self.world_size, *tensor.shape[1:])
-                     if tensor.dim() and tensor.shape[0] % self.world_size == 0 else (segment,))
-            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        else:
-            self._check_out_numel(tensor, out, segment)
-        self._scatter_or_gather(_C.REDUCE_SCATTER, _data(tensor), _data(out), average)
+        out = self._out(tensor, out, scattered_shape(tensor, self.world_size))
+        self._scatter_or_gather(_C.REDUCE_SCATTER, data(tensor), data(out), average)
         return out
 
     def all_gather(self, tensor, out=None):
@@ -151,13 +129,11 @@ class Communicator:
         it, in `out` when given (world_size x numel elements of the same dtype;
         `tensor` may be this rank's segment of it, as FSDP2 passes), else in a
         new tensor of shape (world_size * d0, *rest). Any dtype (a byte copy)."""
+        if out is not None and self._direct_segments(_C.ALL_GATHER, tensor, out, False):
+            return out
         self._check_tensor(tensor, "tensor")
-        if out is None:
-            shape = (self.world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.world_size,)
-            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        else:
-            self._check_out_numel(tensor, out, tensor.numel() * self.world_size)
-        self._scatter_or_gather(_C.ALL_GATHER, _data(tensor), _data(out), False)
+        out = self._out(tensor, out, gathered_shape(tensor, self.world_size))
+        self._scatter_or_gather(_C.ALL_GATHER, data(tensor), data(out), False)
         return out
 
     def register(self, tensor):
@@ -165,36 +141,26 @@ class Communicator:
 
         For buffers reused across calls (DDP buckets, CUDA-graph inputs) on the
         CUDA backend; every rank registers its corresponding buffer (same size)
-        in the same order. Returns True when registered. Memory legacy CUDA IPC
-        cannot export (expandable segments) keeps the staging copy, with a log
-        line, and returns False; so do the other backends, which always copy.
-
-        Lifetime: the communicator keeps `tensor` alive, and the peers keep
-        its memory mapped, until unregister(tensor) or close() on every rank
-        (after close(sync=False), until the process exits: see close()). A
-        buffer no longer needed must be unregistered, or it stays allocated
-        here and mapped by every peer.
+        in the same order. Returns True when registered; False on the backends
+        that always copy, and for memory legacy CUDA IPC cannot export
+        (expandable segments: logged), which keeps the staging copy.
+        The communicator keeps `tensor` alive, and the peers keep it mapped,
+        until unregister(tensor) or close() on every rank: unregister a buffer
+        no longer needed.
         """
         self._check_tensor(tensor, "tensor")
         return self._engine is not None and self._engine.register(tensor)
 
     def unregister(self, tensor):
-        """Collective: undoes register(tensor); every rank unregisters its
-        corresponding buffer, in the same order. Returns True when it was
-        registered, else False (always on the backends that copy, where
-        register() is a no-op too). Later calls with inputs inside it copy
-        through the staging buffers again.
+        """Collective: undoes register(tensor), every rank in the same order.
+        Returns whether it was registered. Later calls reading it copy again.
 
-        Waits for this device's kernels (the calls of the registered modes
-        end at a barrier every rank's kernel passes, so once ours are done no
-        peer reads our buffer either), removes it from the kernels' table,
-        unmaps the peers' allocations nothing else here still uses, and then
-        agrees with the other ranks: only when every rank has unmapped does
-        the communicator drop its reference, so the memory may be reused.
-        An error on any rank raises on every rank, and the buffer then stays
-        allocated until the process exits (a peer may still map it). A CUDA
-        graph that captured a call reading the buffer in place holds the
-        peers' addresses of it: do not replay it after unregistering.
+        Waits for this device's kernels (once ours are done, no peer reads the
+        buffer either: the registered modes end at a barrier every rank's
+        kernel passes), unmaps the peers' allocations nothing here still uses,
+        and drops the reference only when every rank has unmapped. An error on
+        any rank raises on every rank and keeps the buffer allocated until
+        exit. Do not replay a CUDA graph that read the buffer in place.
         """
         self._check_tensor(tensor, "tensor")
         return self._engine is not None and self._engine.unregister(tensor)
@@ -207,25 +173,16 @@ class Communicator:
                 with torch.cuda.graph(graph):
                     y = comm.all_reduce(x)
 
-        Replays stay correct however often they run (the epoch advances on
-        the device), in step with each other and with eager calls. On the
-        CUDA backend, buffers registered beforehand are read in place, and
-        every other captured call that can read its input in place (out of
-        place, or in place running two-shot) is registered when this context
-        exits, so its replays skip the staging copy too; inputs that cannot be
-        exported keep the copy (logged once). Every rank must capture the
-        same calls; a mismatch, or a capture that failed on some rank, raises
-        at exit on every rank. Inside, nothing talks to the host (the debug
-        fingerprint is skipped).
+        Replays stay correct however often they run, in step with each other
+        and with eager calls. On the CUDA backend, buffers registered before
+        are read in place, and every captured call that can read its input in
+        place is registered when this context exits, so its replays skip the
+        staging copy (inputs that cannot be exported keep it; logged). Every
+        rank must capture the same calls: a mismatch, or a capture that failed
+        on some rank, raises at exit on every rank. Inside, nothing talks to
+        the host (the debug fingerprint is skipped).
         """
-        problem = graph_capture_problem(self.device)
-        if problem is not None:
-            raise RuntimeError(problem)
-        if self._capturing:
-            raise RuntimeError("pyallreduce: comm.capture() is already open; do not nest it")
-        if stream_capturing(self.device):
-            raise RuntimeError("pyallreduce: enter comm.capture() before torch.cuda.graph(...), not inside it: "
-                               "the captured calls are registered when it exits, which talks to the other ranks")
+        check_capture_entry(self.device, self._capturing)
         # The engine's, read once: a close() inside must not change what the exit does.
         with self._engine.capture() if self._engine is not None else contextlib.nullcontext():
             self._capturing = True
@@ -236,28 +193,23 @@ class Communicator:
 
     def check(self):
         """Raises what this communicator's CUDA kernels recorded (the ranks'
-        calls differed, a deadline passed). A CUDA call returns before its
-        kernel has run, so such an error is otherwise raised by the next call
-        (a mismatch leaves the communicator usable; a deadline does not).
-        Waits for the device. Calls on the CPU backend raise at once: nothing
-        to do there."""
+        calls differed, a deadline passed), which the next call raises
+        otherwise: a CUDA call returns before its kernel has run. Waits for the
+        device. The CPU backend raises at once: nothing to do there."""
         if self._engine is not None:
             self._engine.check()
 
     def close(self):
         """Releases the mapped memory. Safe to call twice. On CUDA it is
-        collective (every rank calls it): an exported allocation must not be
-        freed while a peer still maps it. Registered buffers and the inputs
-        of captured zero-copy calls are dropped after every rank has unmapped
-        them; the graphs captured with this communicator must not be
-        replayed any more.
+        collective (an exported allocation must not be freed while a peer maps
+        it): registered buffers and captured inputs are dropped once every rank
+        has unmapped them, and graphs captured with this communicator must not
+        be replayed any more.
 
         Leaving `with Communicator(...)` by an exception, garbage collection
         and process exit close without the other ranks (they may be gone):
-        this waits for this device's own kernels and unmaps the peers, but
-        keeps the own region, the registered buffers and the captured inputs
-        allocated until the process exits (peers may still map them), with
-        one log line. Call close() on every rank to free them.
+        this device's kernels are waited for and the peers unmapped, but the
+        own memory stays allocated until exit (logged once).
         """
         self._close(sync=True)
 
@@ -292,20 +244,14 @@ class Communicator:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how}, "
                 f"max_bytes={self.max_bytes})")
 
-    # ---- the decisions -----------------------------------------------------
-
     def _direct(self, src, dst, op, algo):
-        """The common eager call, kept short: a plain tensor of a supported dtype,
-        a known op and algo, nothing tracing; the C++ side runs it if
-        the tensors fit a kernel as they are (contiguous, on our device, within
-        max_bytes). Returns the result (dst, or a new tensor when dst is None),
-        or None having done nothing; the general path then checks and handles
-        the call."""
-        if self._handle is None or self.debug or not _eager(src):  # torch.compile stops here
+        """The common eager call, kept short: the C++ side runs it if the tensors
+        fit a kernel as they are. Returns the result (dst, or a new tensor when
+        dst is None), or None having done nothing (the general path then does)."""
+        if self._handle is None or self.debug or not eager(src):  # torch.compile stops here
             return None
-        try:
-            average = _AVERAGE[op]
-        except (KeyError, TypeError):  # parse_op on the general path says what is wrong
+        average = average_or_none(op)
+        if average is None:  # parse_op on the general path says what is wrong
             return None
         if src.dtype not in REDUCED_DTYPES:
             return None
@@ -314,52 +260,42 @@ class Communicator:
             if self.crossover.prefers_reference(nbytes):
                 return None
             algo = self.crossover.algo_for(nbytes)
-        algo_id = ALGOS.get(algo)
-        if algo_id is None:
+        kernel = ALGOS.get(algo)
+        if kernel is None:
             return None
         if dst is None:
             dst = torch.empty_like(src)
         elif type(dst) is not torch.Tensor:
             return None
-        if not _C.try_collective_eager(src, dst, self._handle, algo_id, average):
+        if not _C.try_collective_eager(src, dst, self._handle, kernel, average):
             return None
         self._calls += 1
         return dst
 
+    def _direct_segments(self, collective, src, dst, average):
+        """_direct for reduce-scatter and all-gather (average None: an op the
+        general path rejects): whether the C++ side ran the call."""
+        if (self._handle is None or self.debug or average is None or type(dst) is not torch.Tensor
+                or not eager(src) or not _C.try_collective_eager(src, dst, self._handle, collective, average)):
+            return False
+        self._calls += 1
+        return True
+
     def _check_tensor(self, tensor, name):
         if self._closed:
             raise RuntimeError("pyallreduce: this communicator is closed; create a new Communicator")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"pyallreduce: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device != self.device:
-            raise ValueError(f"pyallreduce: {name} is on {tensor.device} but this communicator serves "
-                             f"{self.device}; move the tensor or create a Communicator(device=...)")
+        check_tensor(tensor, name, self.device)
 
-    def _check_out(self, tensor, out):
+    def _out(self, tensor, out, shape, same_shape=False):
+        """`out` checked (the input's dtype; `shape`, or as many elements), or a new tensor of `shape`."""
+        if out is None:
+            return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
         self._check_tensor(out, "out")
-        if out.shape != tensor.shape or out.dtype != tensor.dtype:
-            raise ValueError(f"pyallreduce: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                             f"expected {tuple(tensor.shape)} and {tensor.dtype} like the input")
-
-    def _segment_numel(self, tensor, name):
-        if tensor.numel() % self.world_size:
-            raise ValueError(f"pyallreduce: reduce_scatter needs {name}.numel() to be a multiple of the world size "
-                             f"{self.world_size}, got {tensor.numel()}")
-        return tensor.numel() // self.world_size
-
-    def _check_out_numel(self, tensor, out, numel):
-        self._check_tensor(out, "out")
-        if out.numel() != numel or out.dtype != tensor.dtype:
-            raise ValueError(f"pyallreduce: out has {out.numel()} elements of {out.dtype}; expected {numel} of "
-                             f"{tensor.dtype}")
-
-    def _algo_id(self, algo, nbytes):
-        if algo == "auto":
-            algo = self.crossover.algo_for(nbytes)
-        try:
-            return ALGOS[algo]
-        except KeyError:
-            raise ValueError(f"pyallreduce: algo must be 'auto', 'one_shot' or 'two_shot', got {algo!r}") from None
+        if same_shape:
+            check_same_as(tensor, out)
+        else:
+            check_numel(tensor, out, math.prod(shape))
+        return out
 
     def _reference_reason(self, dtype, nbytes, algo="auto"):
         """Why an all-reduce of nbytes of dtype goes to torch.distributed, or
@@ -373,22 +309,18 @@ class Communicator:
 
     def _reduce(self, src, dst, average, algo):
         """dst = reduce(src) across ranks; dst may be src."""
-        nbytes = src.numel() * src.element_size()  # not .nbytes: works on symbolic shapes (torch.compile)
+        nbytes = nbytes_of(src)  # not .nbytes: works on symbolic shapes (torch.compile)
         if (self._engine is not None and src.dtype in REDUCED_DTYPES and 0 < nbytes <= self.max_bytes
                 and src.is_contiguous() and dst.is_contiguous() and not self.debug
                 and not (algo == "auto" and self.crossover.prefers_reference(nbytes))):
             # The common case, kept short: one call, no views.
-            return self._run(src, dst, self._algo_id(algo, nbytes), average)
-        self._algo_id(algo, 0)  # reject an unknown name even where the fallback runs
+            return self._run(src, dst, algo_id(algo, self.crossover, nbytes), average)
+        algo_id(algo, self.crossover, 0)  # reject an unknown name even where the fallback runs
         if self.debug and not self._capturing:  # before any branch: every rank takes part
             reference.check_fingerprint(self._calls, src, average, algo, self.group, self.world_size)
-        reason = self._reference_reason(src.dtype, src.numel() * src.element_size(), algo)
+        reason = self._reference_reason(src.dtype, nbytes, algo)
         if reason is not None:
-            if not torch.compiler.is_compiling():
-                logs.log_once(f"torch.distributed.all_reduce used: {reason}")
-                reference.check_capturable(self.device, self.group, reason)
-            self._agree(src, dst, average, _C.MODE_FALLBACK)
-            return reference.all_reduce(src, dst, average, self.group, self.world_size)
+            return self._fallback(reason, _C.AGREE_ONLY, src, dst, average)
         if src.numel() == 0:
             self._agree(src, dst, average, _C.MODE_STAGED)
             return
@@ -397,115 +329,66 @@ class Communicator:
         problem = None if dst is src or torch.compiler.is_compiling() else partial_overlap_problem(src, dst)
         if problem is not None:
             raise RuntimeError(problem)
-        contiguous_dst = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-        flat_src = src.contiguous().view(-1)
-        flat_dst = contiguous_dst.view(-1)
-        per_call = self.max_bytes // src.element_size()
-        for start in range(0, flat_src.numel(), per_call):
-            s = flat_src[start:start + per_call]
-            d = flat_dst[start:start + per_call]
-            self._run(s, d, self._algo_id(algo, s.numel() * s.element_size()), average)
-        if contiguous_dst is not dst:
-            dst.copy_(contiguous_dst)
+        reduce_in_chunks(lambda s, d: self._run(s, d, algo_id(algo, self.crossover, nbytes_of(s)), average),
+                         src, dst, self.max_bytes // src.element_size())
 
     def _scatter_or_gather(self, collective, src, dst, average):
         """dst = reduce_scatter(src) or all_gather(src) across ranks (collective: _C.REDUCE_SCATTER,
         _C.ALL_GATHER); checked by the caller. One place decides: kernels or fallback,
         chunking, and the contiguous copies."""
-        if (self._handle is not None and not self.debug and _eager(src) and type(dst) is torch.Tensor
-                and _C.try_collective_eager(src, dst, self._handle, collective, average)):
-            self._calls += 1  # the common case, kept short (as in _direct)
+        if self._direct_segments(collective, src, dst, average):  # a new out, or a given one declined above
             return
         scatters = collective == _C.REDUCE_SCATTER
         segment = dst if scatters else src  # protocol.h's S: the per-rank part
-        nbytes = segment.numel() * segment.element_size()
         if self.debug and not self._capturing:
-            reference.check_fingerprint(self._calls, src, average, "reduce_scatter" if scatters else "all_gather",
-                                        self.group, self.world_size)
+            reference.check_fingerprint(self._calls, src, average, COLLECTIVE_NAMES[collective], self.group,
+                                        self.world_size)
         reason = self.fallback_reason
         if reason is None and scatters:
             reason = not_reduced_reason(src.dtype)
-        if reason is None and self._engine.piece_bytes(collective, segment.element_size()) == 0:
+        piece = None if reason is not None else self._engine.piece_bytes(collective, src.element_size())
+        if piece == 0:
             reason = f"max_bytes={self.max_bytes} is too small for {self.world_size} segments"
         if reason is not None:
-            if not torch.compiler.is_compiling():
-                logs.log_once(f"torch.distributed used for {'reduce_scatter' if scatters else 'all_gather'}: {reason}")
-                reference.check_capturable(self.device, self.group, reason)
-            self._agree(src, dst, average, _C.MODE_FALLBACK, collective)
-            return reference.scatter_or_gather(scatters, src, dst, average, self.group, self.world_size)
-        if nbytes == 0:
+            return self._fallback(reason, collective, src, dst, average)
+        if nbytes_of(segment) == 0:
             return self._agree(src, dst, average, _C.MODE_STAGED, collective)
-        # Contiguous, and not overlapping except as protocol.h allows (this rank's
-        # segment of the larger tensor); anything else through copies.
-        src_c = src if src.is_contiguous() else src.contiguous()
-        dst_c = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-        whole, part = (src_c, dst_c) if scatters else (dst_c, src_c)
-        if overlaps(src_c, dst_c) and not is_own_segment(part, whole, self.rank):
-            src_c = src_c.clone()
-        self._run_scatter_or_gather(collective, src_c.view(-1), dst_c.view(-1), average)
-        if dst_c is not dst:
-            dst.copy_(dst_c)
 
-    def _run_scatter_or_gather(self, collective, src, dst, average):
-        """Flat contiguous src/dst with nonzero bytes, in as many pieces of every
-        segment as the engine needs (the GPU ones stage a whole call; the host
-        kernels take any size), through contiguous copies of the pieces."""
-        scatters = collective == _C.REDUCE_SCATTER
-        n = dst.numel() if scatters else src.numel()  # elements per segment
-        piece = self._engine.piece_bytes(collective, src.element_size())
-        per = n if piece is None else piece // src.element_size()
-        for start in range(0, n, per):
-            stop = min(n, start + per)
-            if per >= n:
-                s, d = src, dst
-            elif scatters:
-                s, d = src.view(self.world_size, n)[:, start:stop].contiguous().view(-1), dst[start:stop]
-            else:
-                s, d = src[start:stop], torch.empty(self.world_size * (stop - start), dtype=dst.dtype,
-                                                    device=dst.device)
+        def run(s, d):
             self._calls += 1
             self._engine.scatter_or_gather(collective, s, d, average, self._calls)
-            if not scatters and d is not dst:
-                dst.view(self.world_size, n)[:, start:stop].copy_(d.view(self.world_size, -1))
+
+        scatter_or_gather_in_pieces(run, scatters, src, dst, self.rank, self.world_size,
+                                    None if piece is None else piece // src.element_size())
+
+    def _fallback(self, reason, collective, src, dst, average):
+        """The call by torch.distributed, after the agreement round, saying why once."""
+        if not torch.compiler.is_compiling():
+            logs.log_once(f"torch.distributed used for {COLLECTIVE_NAMES[collective]}: {reason}")
+            reference.check_capturable(self.device, self.group, reason)
+        self._agree(src, dst, average, _C.MODE_FALLBACK, collective)
+        if collective == _C.AGREE_ONLY:
+            return reference.all_reduce(src, dst, average, self.group, self.world_size)
+        return reference.scatter_or_gather(collective == _C.REDUCE_SCATTER, src, dst, average, self.group,
+                                           self.world_size)
 
     def _agree(self, src, dst, average, mode, collective=_C.AGREE_ONLY):
-        """The agreement round for a call that does not go through the kernels
-        (a torch.distributed fallback, an empty tensor): the peers check it
-        against their own call, so a rank whose call differs makes every rank
-        raise instead of each waiting in a different collective. Groups the
-        communicator does not serve at all have no shared memory to meet in;
-        under torch.compile the round is skipped (the compiled graph holds only
-        the torch.distributed collective), and so it is inside a CUDA graph
-        capture, where it cannot wait for its answer (the captured calls are
-        compared when comm.capture() exits)."""
+        """The agreement round of a call the kernels do not run (a fallback, an
+        empty tensor): a rank whose call differs makes every rank raise instead
+        of each waiting in a different collective. Skipped where the group is
+        not served (no shared memory to meet in), under torch.compile (the
+        compiled graph holds only the torch.distributed collective) and inside
+        a CUDA graph capture (comm.capture() compares the captured calls)."""
         if self._engine is None or torch.compiler.is_compiling() or stream_capturing(self.device):
             return
         self._calls += 1
-        if collective == _C.AGREE_ONLY:  # an all-reduce
-            nbytes, in_place = src.numel() * src.element_size(), dst is src
-        else:  # protocol.h: W segments; "in place" is the one overlap the kernels allow
-            whole, part = (src, dst) if collective == _C.REDUCE_SCATTER else (dst, src)
-            nbytes = whole.numel() * whole.element_size()
-            in_place = is_own_segment(part, whole, self.rank)
+        nbytes, in_place = described_bytes(collective, src, dst, self.rank)
         self._engine.agree(_C.dtype_code(src.dtype), nbytes, mode, average, in_place, collective, self._calls,
                            src.device)
 
-    def _run(self, src, dst, algo_id, average):
+    def _run(self, src, dst, kernel, average):
         self._calls += 1
-        self._engine.all_reduce(src, dst, algo_id, average, self._calls)
-
-
-def _eager(tensor):
-    """Whether the kernels may be called directly rather than through the torch op
-    (a microsecond less per call): plain tensors outside torch.compile/export,
-    which trace the op. The C++ side (try_collective_eager) declines under
-    dispatch modes, torch function modes, the JIT tracer and functorch wrappers."""
-    return not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
-
-
-def _data(tensor):
-    """The tensor itself, or a view of its data outside autograd if it requires grad."""
-    return tensor.detach() if tensor.requires_grad else tensor
+        self._engine.all_reduce(src, dst, kernel, average, self._calls)
 
 
 # Communicators still open at interpreter exit are closed (unmapped) there.

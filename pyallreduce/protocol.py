@@ -64,6 +64,16 @@ def is_own_segment(part, whole, rank):
             and part.data_ptr() == whole.data_ptr() + rank * size)
 
 
+def described_bytes(collective, src, dst, rank):
+    """A call descriptor's (bytes, in place) (protocol.h CallDesc): an
+    all-reduce's tensor; for reduce-scatter and all-gather the W segments,
+    and "in place" is the one overlap their kernels allow."""
+    if collective == _C.AGREE_ONLY:  # an all-reduce
+        return nbytes(src), dst is src
+    whole, part = (src, dst) if collective == _C.REDUCE_SCATTER else (dst, src)
+    return nbytes(whole), is_own_segment(part, whole, rank)
+
+
 def staged_piece_bytes(max_bytes, world_size, collective, element_size):
     """The GPU backends stage a whole call: the most bytes of each segment one
     reduce-scatter/all-gather moves (a multiple of the element size), 0 if not

@@ -98,11 +98,15 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def graph_capture_problem(device: torch.device) -> Optional[str]:
-    """Why comm.capture() cannot serve `device`, or None."""
-    if device.type == "cuda":
-        return None
-    return f"pyallreduce: capture() is for CUDA graphs; this communicator serves {device}"
+def check_capture_entry(device: torch.device, already_open: bool) -> None:
+    """Raises why comm.capture() cannot be entered now."""
+    if device.type != "cuda":
+        raise RuntimeError(f"pyallreduce: capture() is for CUDA graphs; this communicator serves {device}")
+    if already_open:
+        raise RuntimeError("pyallreduce: comm.capture() is already open; do not nest it")
+    if stream_capturing(device):
+        raise RuntimeError("pyallreduce: enter comm.capture() before torch.cuda.graph(...), not inside it: "
+                           "the captured calls are registered when it exits, which talks to the other ranks")
 
 
 def engine_class(backend: str):

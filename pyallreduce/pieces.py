@@ -1,0 +1,49 @@
+"""How a call the kernels cannot take in one run is cut: an all-reduce into
+chunks of the staging size, a reduce-scatter or all-gather into pieces of
+every segment, through contiguous copies where the tensors are not. The
+Communicator decides that a call runs on the kernels and how large a run may
+be; these only cut, and hand each flat contiguous pair to run(src, dst)."""
+import torch
+
+from .protocol import is_own_segment, overlaps
+
+
+def _contiguous_out(dst):
+    return dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+
+
+def reduce_in_chunks(run, src, dst, per_call):
+    """All-reduce src into dst (dst may be src) in chunks of at most per_call elements."""
+    dst_c = _contiguous_out(dst)
+    flat_src, flat_dst = src.contiguous().view(-1), dst_c.view(-1)
+    for start in range(0, flat_src.numel(), per_call):
+        run(flat_src[start:start + per_call], flat_dst[start:start + per_call])
+    if dst_c is not dst:
+        dst.copy_(dst_c)
+
+
+def scatter_or_gather_in_pieces(run, scatters, src, dst, rank, world_size, per):
+    """Reduce-scatter (scatters) or all-gather src into dst, `per` elements of
+    every segment at a time (None: whole segments). src and dst may overlap only
+    as protocol.h allows (this rank's segment of the larger tensor); anything
+    else goes through a copy of src."""
+    src_c, dst_c = src.contiguous(), _contiguous_out(dst)
+    whole, part = (src_c, dst_c) if scatters else (dst_c, src_c)
+    if overlaps(src_c, dst_c) and not is_own_segment(part, whole, rank):
+        src_c = src_c.clone()
+    src_c, flat_dst = src_c.view(-1), dst_c.view(-1)
+    n = flat_dst.numel() if scatters else src_c.numel()  # elements per segment
+    per = n if per is None else per
+    for start in range(0, n, per):
+        stop = min(n, start + per)
+        if per >= n:
+            s, d = src_c, flat_dst
+        elif scatters:
+            s, d = src_c.view(world_size, n)[:, start:stop].contiguous().view(-1), flat_dst[start:stop]
+        else:
+            s, d = src_c[start:stop], torch.empty(world_size * (stop - start), dtype=dst.dtype, device=dst.device)
+        run(s, d)
+        if not scatters and d is not flat_dst:
+            flat_dst.view(world_size, n)[:, start:stop].copy_(d.view(world_size, -1))
+    if dst_c is not dst:
+        dst.copy_(dst_c)
