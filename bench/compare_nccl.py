@@ -7,6 +7,12 @@ all-reduce on CPU.
 
 Every size first runs a correctness round with exact-sum inputs and zero
 tolerance (any wrong element makes the run exit non-zero), then the timed loops.
+
+On the emulated CUDA runtime (tests/emulated: python tests/emulated/build_emulated.py
+prints its environment) the same script runs the whole GPU code path -- CUDA
+communicator, IPC, graphs of comm.capture() -- for correctness; its reference
+is gloo through host copies (no NCCL there) and its times are host threads',
+meaningless as GPU numbers, and labelled so.
 """
 import argparse
 import contextlib
@@ -27,7 +33,7 @@ import pyallreduce
 from pyallreduce import policy
 from pyallreduce.communicator import DEFAULT_MAX_BYTES
 
-from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
+from local_ranks import add_launch_arguments, emulated_cuda, init_group, spawn_ranks, under_torchrun
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPS = ("sum", "avg")
@@ -163,18 +169,31 @@ def parse_args(argv=None):
 
 # ---- inputs and checks -----------------------------------------------------------
 
+# Inputs are made and results checked on the host (the emulated CUDA runtime
+# runs no torch kernel; on a GPU it costs only setup time).
+
 def make_input(count, dtype, rank, device):
-    return (torch.arange(count, dtype=torch.int32, device=device) % INPUT_PERIOD + rank).to(dtype)
+    return (torch.arange(count, dtype=torch.int32) % INPUT_PERIOD + rank).to(dtype).to(device)
 
 
-def expected_output(count, dtype, op, world, device):
-    """Exact: integer sum; avg divides in fp32 before the cast, as the kernels do."""
-    total = (torch.arange(count, dtype=torch.int32, device=device) % INPUT_PERIOD) * world + world * (world - 1) // 2
+def expected_output(count, dtype, op, world):
+    """Exact (on the host): integer sum; avg divides in fp32 before the cast, as the kernels do."""
+    total = (torch.arange(count, dtype=torch.int32) % INPUT_PERIOD) * world + world * (world - 1) // 2
     total = total.to(torch.float32)
     return (total / world if op == "avg" else total).to(dtype)
 
 
-def reference_call(op, world):
+def group_sum(t, through_host):
+    """dist.all_reduce(t) (SUM), through a host copy on the emulated CUDA runtime."""
+    if not through_host:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return
+    host = t.cpu()
+    dist.all_reduce(host, op=dist.ReduceOp.SUM)
+    t.copy_(host)
+
+
+def reference_call(op, world, through_host):
     """The reference collective as a user would call it, in place. gloo has no
     AVG, so there it is SUM and a division (what Communicator's fallback does)."""
     native_avg = dist.get_backend() == "nccl"
@@ -182,6 +201,10 @@ def reference_call(op, world):
     def call(t):
         if op == "avg" and native_avg:
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        elif through_host:
+            host = t.cpu()
+            dist.all_reduce(host, op=dist.ReduceOp.SUM)
+            t.copy_(host.div_(world) if op == "avg" else host)
         else:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             if op == "avg":
@@ -189,18 +212,20 @@ def reference_call(op, world):
     return call
 
 
-def reference_result(x, op, world):
-    """The reference collective's sum, divided like `expected_output`, so it
-    can be compared bit for bit (NCCL's AVG pre-scales in the element type)."""
+def reference_result(x, op, world, through_host):
+    """The reference collective's sum (on the host), divided like `expected_output`,
+    so it can be compared bit for bit (NCCL's AVG pre-scales in the element type)."""
     t = x.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    group_sum(t, through_host)
+    t = t.cpu()
     return (t.float() / world).to(t.dtype) if op == "avg" else t
 
 
 def count_wrong(got, *wants):
-    bad = torch.zeros(got.shape, dtype=torch.bool, device=got.device)
+    got = got.cpu()
+    bad = torch.zeros(got.shape, dtype=torch.bool)
     for want in wants:
-        bad |= got != want
+        bad |= got != want.cpu()
     return int(bad.sum())
 
 
@@ -249,17 +274,23 @@ def time_cuda(fn, iters, warmup, graph_batch, capture):
 
 
 class Timer:
+    """Times fn; capture: the context CUDA graphs of fn are captured in (None:
+    fn cannot be captured, as the emulation's host-copy reference)."""
+
     def __init__(self, args, device):
         self.args, self.device = args, device
+        self.emulated = device.type == "cuda" and emulated_cuda()
+        # Where the ranks' small bookkeeping reductions run (gloo on the emulation: host tensors).
+        self.group_device = torch.device("cpu") if self.emulated else device
 
     def __call__(self, fn, nbytes, capture=contextlib.nullcontext):
         a = self.args
         if self.device.type == "cuda":
-            batch = GRAPH_BATCH if nbytes <= a.graph_max_bytes else 0
+            batch = GRAPH_BATCH if nbytes <= a.graph_max_bytes and capture is not None else 0
             times = time_cuda(fn, a.iters, a.warmup, batch, capture)
         else:
             times = time_cpu(fn, a.iters, a.warmup)
-        return slowest_rank_stats(times, self.device)
+        return slowest_rank_stats(times, self.group_device)
 
 
 def slowest_rank_stats(times, device):
@@ -347,20 +378,22 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
     count = nbytes // elem
     nbytes = count * elem
     x = make_input(count, dtype, rank, device)
-    want = expected_output(count, dtype, op, world, device)
+    want = expected_output(count, dtype, op, world)
+    group = timer.group_device
 
-    ref_out = reference_result(x, op, world)
-    ref_wrong = sum_over_group(count_wrong(ref_out, want), device)
+    ref_out = reference_result(x, op, world, timer.emulated)
+    ref_wrong = sum_over_group(count_wrong(ref_out, want), group)
     key = ("reference", dtype_name, op, nbytes)
     if key not in cache:
-        call, work = reference_call(op, world), x.clone()
-        cache[key] = with_bandwidth(timer(lambda: call(work), nbytes), nbytes, world)
+        call, work = reference_call(op, world, timer.emulated), x.clone()
+        capture = None if timer.emulated else contextlib.nullcontext
+        cache[key] = with_bandwidth(timer(lambda: call(work), nbytes, capture), nbytes, world)
     ref = dict(cache[key], wrong=ref_wrong)
     ds = None
     if deepspeed is not None and deepspeed.supports(dtype, op):
         ds_work = x.clone()
         deepspeed(ds_work)
-        ds_wrong = sum_over_group(count_wrong(ds_work, want), device)
+        ds_wrong = sum_over_group(count_wrong(ds_work, want), group)
         key = ("deepspeed", dtype_name, op, nbytes)
         if key not in cache:
             cache[key] = with_bandwidth(timer(lambda: deepspeed(ds_work), nbytes), nbytes, world)
@@ -387,7 +420,7 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         oop = timer(lambda: comm.all_reduce(x, op=op, algo=algo, out=out), nbytes, comm.capture)
         wrong += count_wrong(out, want)  # still right after many back-to-back (or replayed) calls
         ip = timer(lambda: comm.all_reduce_(inplace, op=op, algo=algo), nbytes, comm.capture)
-        wrong = sum_over_group(wrong, device)
+        wrong = sum_over_group(wrong, group)
         total_wrong += wrong
         rows.append({
             "backend": comm.backend, "size": nbytes, "count": count, "type": dtype_name, "redop": op,
@@ -422,7 +455,7 @@ def measure_bound(nbytes, world, device, timer):
     """The bandwidth bound of an all-reduce of nbytes: torch copy_ of
     bound_copy_bytes on every rank at once, timed like the collective."""
     n = bound_copy_bytes(nbytes, world)
-    src = torch.ones(n, dtype=torch.uint8, device=device)
+    src = torch.ones(n, dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)
     return dict(timer(lambda: dst.copy_(src), n), copy_bytes=n)
 
@@ -430,7 +463,7 @@ def measure_bound(nbytes, world, device, timer):
 def measure_memcpy(nbytes, device, timer):
     """torch copy_ of the largest size on every rank at once (the same memory
     traffic conditions as the collective); bytes copied per second per rank."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    src = torch.ones(nbytes, dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)
     stats = timer(lambda: dst.copy_(src), nbytes)
     return dict(stats, bytes=nbytes, gbps=nbytes / stats["time_us"] / 1e3)
@@ -479,7 +512,8 @@ def machine_description(device, world):
     }
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda_runtime=torch.version.cuda,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())), driver=nvidia_driver())
+                    nccl=".".join(map(str, torch.cuda.nccl.version())), driver=nvidia_driver(),
+                    emulated=emulated_cuda())
     return info
 
 
@@ -581,6 +615,9 @@ def run(args):
     machine = machine_description(device, world)
     say(f"# pyallreduce {pyallreduce.__version__} vs torch.distributed ({dist.get_backend()}), "
         f"world size {world}, {machine['device_kind']}, OMP_NUM_THREADS={machine['omp_num_threads']}")
+    if timer.emulated:
+        say("# EMULATED CUDA runtime (tests/emulated): the GPU code path checked for correctness; the times are "
+            "host threads', not a GPU's, and the reference is gloo through host copies")
     if deepspeed:
         say(f"# DeepSpeed {deepspeed.version} shm all-reduce: vector_kernel_level {deepspeed.level}, "
             f"loaded in {deepspeed.load_s:.0f} s")

@@ -1,5 +1,6 @@
 """What the bench scripts share: running a script once per local rank when it is
-not under torchrun, and joining the process group on CPU (gloo) or CUDA (NCCL)."""
+not under torchrun, and joining the process group on CPU (gloo) or CUDA (NCCL;
+gloo on the emulated CUDA runtime)."""
 import os
 import socket
 import subprocess
@@ -74,13 +75,23 @@ def spawn_ranks(script, nproc, bind_cores=False):
     return failed  # the failing rank's code, not the SIGKILL of the ranks stopped after it
 
 
+def emulated_cuda():
+    """Whether CUDA here is the emulated runtime of tests/emulated (the GPU code
+    path runs on host threads: no NCCL, no torch kernels, no meaningful time)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_name(0).startswith("Emulated")
+
+
 def init_group(device_type):
-    """Joins the default process group; returns this rank's device."""
+    """Joins the default process group; returns this rank's device. On the
+    emulated CUDA runtime the group is gloo (there is no NCCL)."""
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        if emulated_cuda():
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

@@ -49,6 +49,7 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
     except RuntimeError:  # before fn ran: run_ranks may start the ranks again (see _SETUP_ATTEMPTS)
         report.send(("setup error", traceback.format_exc()))
         raise SystemExit(1) from None
+    measured = _start_coverage()
     try:
         # Plain pickle copies tensor data into the message. The queue's own pickler
         # would pass tensors as shared-memory file descriptors that the parent fetches
@@ -59,6 +60,9 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
         report.send(("error", traceback.format_exc()))
         raise SystemExit(1)
     finally:
+        if measured is not None:
+            measured.stop()
+            measured.save()
         if dist.is_initialized():
             # DDP's reference cycles can keep the gloo group alive into interpreter
             # shutdown, which then aborts; collect them while the group still exists.
@@ -66,6 +70,22 @@ def _rank_main(fn, rank, world_size, port, env, report, args):
 
             gc.collect()
             dist.destroy_process_group()
+
+
+# The data file (a prefix: each rank adds its own suffix) of coverage.py's
+# line counts of the test's function in every rank (tests/emulated/line_coverage.py).
+COVERAGE_ENV = "PYALLREDUCE_TEST_PYCOVERAGE"
+
+
+def _start_coverage():
+    data_file = os.environ.get(COVERAGE_ENV)
+    if not data_file:
+        return None
+    import coverage
+
+    measured = coverage.Coverage(data_file=data_file, data_suffix=True, include=["*/pyallreduce/*"])
+    measured.start()
+    return measured
 
 
 class RankFailure(AssertionError):

@@ -96,6 +96,16 @@ def gpu_sleep(cycles):
         torch.cuda._sleep(cycles)
 
 
+def peer_mappings():
+    """Under the emulation, how many peer allocations this process maps (IPC
+    handles opened and not closed: tests/emulated/cudart.cpp); None on a GPU."""
+    if not EMULATED:
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None).pyallreduce_emulated_peer_mappings()
+
+
 def digest(t):
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -376,6 +386,7 @@ def check_registered(rank, world):
                 if not torch.equal(out.cpu(), exact_sum(numel, world, dtype, it)):
                     failures.append(("graph", dtype, it))
             del graph
+    assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after close()"
     assert not failures, f"rank {rank}: {failures[:10]} ({len(failures)} in all)"
 
 
@@ -437,12 +448,15 @@ def check_readme_capture_snippet(rank, world):
 def check_scatter_gather(rank, world):
     """Reduce-scatter and all-gather against the all-reduce's bits, out of place
     and with this rank's segment as the alias protocol.h allows, mixed with
-    all-reduces on the same communicator."""
+    all-reduces on the same communicator; on a GPU also segments larger than
+    one staged run takes (the communicator cuts them in pieces with strided
+    copies, torch kernels the emulation does not run)."""
     torch.cuda.set_device(0)
     failures = []
     with make_comm() as comm:
         for dtype in DTYPES:
-            for segment in (1, 5, 4099):
+            elem = torch.empty((), dtype=dtype).element_size()
+            for segment in (1, 5, 4099) + (() if EMULATED else (MAX_BYTES // (world * elem) + 37,)):
                 numel = segment * world
                 full = exact_sum(numel, world, dtype, segment)
                 x = on_gpu(exact_input(numel, rank, dtype, segment))
@@ -626,6 +640,212 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
 # ---- many calls back to back ---------------------------------------------------------
 
 
+def check_unregister_right_after_calls(rank, world):
+    """A buffer unregistered right after calls that read it in place: unregister
+    waits for them before the peers' mappings go (a kernel after the unmapping
+    would fault), and no mapping outlives unregister() or close()."""
+    torch.cuda.set_device(0)
+    wrong = []
+    with make_comm() as comm:
+        regions = peer_mappings()  # the peers' staging regions
+        assert regions in (None, world - 1), regions
+        for it in range(24):
+            n = 3000 + 257 * it
+            buf = on_gpu(exact_input(n, rank, torch.float32, it))
+            assert comm.register(buf)
+            out = comm.all_reduce(buf, algo=ALGOS[it % 2])  # reads the peers' buffers in place
+            assert comm.unregister(buf)  # at once, the kernel possibly still queued
+            if not torch.equal(out.cpu(), exact_sum(n, world, torch.float32, it)):
+                wrong.append(it)
+            assert peer_mappings() == regions, f"call {it}: {peer_mappings()} peer mappings, not {regions}"
+    assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after close()"
+    assert not wrong, f"rank {rank}: calls {wrong} wrong"
+
+
+def check_a_device_other_than_the_current_one(rank, world):
+    """Each rank's communicator on its own GPU (cuda:rank) while the calling
+    thread's current device stays 0: the glue's allocations, mappings, streams
+    and launches must all be on the communicator's device (on the emulation a
+    kernel that touches another device's memory faults), and the caller's
+    current device must stay as it was."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(0)
+    wrong = []
+    with make_comm(device=device) as comm:
+        for it in range(8):
+            n = 3000 + 97 * it
+            x = exact_input(n, rank, torch.float32, it).to(device)
+            if not torch.equal(comm.all_reduce(x, algo=ALGOS[it % 2]).cpu(), exact_sum(n, world, torch.float32, it)):
+                wrong.append(("all_reduce", it))
+            buf = exact_input(n, rank, torch.float32, it).to(device)
+            assert comm.register(buf)
+            comm.all_reduce_(buf, algo=ALGOS[it % 2])
+            assert comm.unregister(buf)
+            if not torch.equal(buf.cpu(), exact_sum(n, world, torch.float32, it)):
+                wrong.append(("registered", it))
+            seg = exact_input(n * world, rank, torch.float32, it).to(device)
+            mine = exact_sum(n * world, world, torch.float32, it)[rank * n:(rank + 1) * n]
+            if not torch.equal(comm.reduce_scatter(seg).cpu(), mine):
+                wrong.append(("reduce_scatter", it))
+            assert torch.cuda.current_device() == 0, "a call changed the caller's current device"
+        comm.check()
+    assert torch.cuda.current_device() == 0
+    assert not wrong, f"rank {rank}: {wrong}"
+
+
+def inject_failure(function=None, nth=1):
+    """Under the emulation, makes the nth next call of a CUDA runtime function in
+    this process fail as a real failure does (tests/emulated/cudart.cpp); no
+    function disarms it."""
+    import ctypes
+
+    ctypes.CDLL(None).pyallreduce_emulated_fail((function or "").encode(), nth if function else 0)
+
+
+def outcome(fn):
+    """'ok: <value>' or '<exception type>: <message>'."""
+    try:
+        return f"ok: {fn()}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def check_runtime_failures_on_one_rank(rank, world):
+    """CUDA runtime calls failing on the last rank only (emulation: injected):
+    every rank ends alike (the same error, or the same fallback), nothing stays
+    mapped that should not, and the communicator or the next one works."""
+    torch.cuda.set_device(0)
+    last = rank == world - 1
+    seen = {}
+
+    def construct():
+        comm = pyallreduce.Communicator(device=torch.device("cuda", 0), max_bytes=MAX_BYTES, timeout=TIMEOUT_S,
+                                        nblocks=NBLOCKS)
+        reason = comm.fallback_reason
+        comm.close()
+        return f"fallback ({reason})" if reason else "constructed"
+
+    from pyallreduce.transport import topology
+
+    # Mapping a peer's memory fails during construction: the topology probe's
+    # (the first open), then the staging region's (the second; a 2-rank group
+    # opens one of each).
+    for step, nth in (("construct: probe", 1), ("construct: region", 2)):
+        topology._topology_cache.clear()  # a failed probe is remembered for the group (alike on every rank)
+        inject_failure("cudaIpcOpenMemHandle" if last else None, nth)
+        seen[step] = outcome(construct)
+        inject_failure(None)
+        assert peer_mappings() in (None, 0), f"{step}: {peer_mappings()} peer mappings left"
+    topology._topology_cache.clear()
+
+    with make_comm() as comm:
+        regions = peer_mappings()
+        buf = on_gpu(exact_input(5000, rank, torch.float32, 1))
+        # Mapping a peer's buffer fails: the staging copy on every rank.
+        inject_failure("cudaIpcOpenMemHandle" if last else None)
+        seen["register"] = outcome(lambda: comm.register(buf))
+        inject_failure(None)
+        seen["register a strided view"] = outcome(lambda: comm.register(buf[::2]))
+        assert peer_mappings() == regions, (peer_mappings(), regions)
+        if not torch.equal(comm.all_reduce(buf).cpu(), exact_sum(5000, world, torch.float32, 1)):
+            seen["after"] = "wrong"
+        # The device wait before unmapping fails: every rank raises, the buffer stays allocated.
+        assert comm.register(buf)
+        inject_failure("cudaDeviceSynchronize" if last else None)
+        seen["unregister"] = outcome(lambda: comm.unregister(buf))
+        inject_failure(None)
+        # Unmapping a peer's region fails at close: every rank raises.
+        inject_failure("cudaIpcCloseMemHandle" if last else None)
+        seen["close"] = outcome(comm.close)
+        inject_failure(None)
+    with make_comm() as comm:  # and the next communicator works
+        x = on_gpu(exact_input(3000, rank, torch.float32, 2))
+        seen["next"] = outcome(lambda: torch.equal(comm.all_reduce(x).cpu(), exact_sum(3000, world, torch.float32, 2)))
+    return seen
+
+
+class Bucket:
+    """What DDP hands a communication hook (dist.GradBucket's buffer() and index())."""
+
+    def __init__(self, buffer, index):
+        self._buffer, self._index = buffer, index
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+
+def ddp_model_stand_in(device):
+    """A DistributedDataParallel as the hook sees it (process_group, device, the
+    rebuild flag), without DDP's construction and reducer, which run torch's own
+    CUDA kernels: the emulation runs only pyallreduce's."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = object.__new__(DistributedDataParallel)
+    model.__dict__.update(process_group=dist.group.WORLD, device=device, is_multi_device_module=False,
+                          _has_rebuilt_buckets=False)
+    return model
+
+
+def check_ddp_hook(rank, world):
+    """The DDP hook's GPU branch (pyallreduce/ddp.py): buckets reduced on the
+    hook's side stream after the gradients' stream, read in place once
+    registered, the Future ordered after the kernel on the stream that waits
+    for it; DDP's rebuild unregisters every buffer registered before it;
+    compression reduces a registered wire buffer; a bucket whose storage moved
+    without a rebuild raises on every rank."""
+    from pyallreduce.ddp import HookState, allreduce_hook
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    wrong = []
+    with make_comm() as comm:
+        model = ddp_model_stand_in(device)
+        state = HookState(model, comm)
+        plans = {"before the rebuild": (3000, 70_001), "after it": (65_537, 5)}
+        for when, sizes in plans.items():
+            model._has_rebuilt_buckets = when == "after it"
+            buckets = [torch.empty(n, device=device) for n in sizes]
+            for step in range(3):
+                salt = 10 * step + len(when)
+                for i, b in enumerate(buckets):  # the gradients, written on the current stream
+                    b.copy_(on_gpu(exact_input(b.numel(), rank, torch.float32, salt + i)))
+                futures = [allreduce_hook(state, Bucket(b, i)) for i, b in enumerate(buckets)]
+                for i, (b, fut) in enumerate(zip(buckets, futures)):
+                    if fut.wait() is not b or not torch.equal(b.cpu(), exact_avg(b.numel(), world, torch.float32, salt + i)):
+                        wrong.append((when, step, i))
+            registered = [_C.cuda_is_registered(comm._handle, b.data_ptr(), b.nbytes) for b in buckets]
+            assert registered == [True, True], (when, registered)
+        assert (state.registrations, state.unregistrations) == (4, 2), state
+
+        # Compression: a bf16 wire buffer per bucket, registered; here the buckets are bf16 too, so
+        # that the wire copies are plain copies (the emulation runs no cast kernel).
+        bf16 = HookState(model, comm, compression="bf16")
+        bucket = torch.empty(4099, dtype=torch.bfloat16, device=device)
+        for step in range(2):
+            bucket.copy_(on_gpu(exact_input(bucket.numel(), rank, torch.bfloat16, step)))
+            allreduce_hook(bf16, Bucket(bucket, 0)).wait()
+            if not torch.equal(bucket.cpu(), exact_avg(bucket.numel(), world, torch.bfloat16, step)):
+                wrong.append(("bf16", step))
+        wire = bf16._wire[0]
+        assert wire.data_ptr() != bucket.data_ptr() and _C.cuda_is_registered(comm._handle, wire.data_ptr(),
+                                                                                  wire.nbytes)
+        assert bf16.registrations == 1
+
+        # Without a rebuild, a bucket's storage must not move: registration could not follow it.
+        allreduce_hook(state, Bucket(on_gpu(torch.zeros(4099)), 7)).wait()
+        try:
+            allreduce_hook(state, Bucket(on_gpu(torch.zeros(4099)), 7))
+            raise AssertionError("a moved bucket was reduced")
+        except RuntimeError as e:
+            assert "bucket 7's storage moved" in str(e), e
+        torch.cuda.synchronize()
+    assert not wrong, f"rank {rank}: {wrong}"
+
+
 def check_back_to_back(rank, world):
     """1,000 calls without synchronising, mixing dtypes, sizes and algorithms
     (the staging buffer parity and the block epochs must stay in step), with
@@ -679,6 +899,38 @@ def test_beside_another_threads_capture():
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
+
+
+def test_unregister_right_after_calls():
+    run_ranks(check_unregister_right_after_calls, 2, timeout=RUN_TIMEOUT)
+
+
+def test_a_device_other_than_the_current_one():
+    if torch.cuda.device_count() < 2:  # the emulation has two (tests/emulated/build_emulated.py)
+        pytest.skip("needs two GPUs")
+    run_ranks(check_a_device_other_than_the_current_one, 2, timeout=RUN_TIMEOUT)
+
+
+def test_runtime_failures_on_one_rank():
+    if not EMULATED:
+        pytest.skip("failures are injected through the emulated runtime")
+    seen = run_ranks(check_runtime_failures_on_one_rank, 2, timeout=RUN_TIMEOUT)
+    for step in seen[0]:
+        assert seen[0][step] == seen[1][step], f"{step}: the ranks ended differently: {seen[0][step]!r} vs " \
+                                               f"{seen[1][step]!r}"
+    got = seen[0]
+    assert got["construct: probe"].startswith("ok: fallback (rank 0: bytes written by rank 1 through CUDA IPC did "
+                                              "not arrive; rank 1: pyallreduce: cudaIpcOpenMemHandle"), got
+    assert got["construct: region"].startswith("RuntimeError: pyallreduce: mapping the peers' regions failed on "
+                                               "rank 1: pyallreduce: cudaIpcOpenMemHandle"), got
+    assert got["register"] == got["register a strided view"] == "ok: False", got
+    assert "after" not in got and got["next"] == "ok: True", got
+    assert got["unregister"].startswith("RuntimeError: pyallreduce: unregistering a buffer failed on rank 1"), got
+    assert got["close"].startswith("RuntimeError: pyallreduce: unmapping the peers' memory failed on rank 1"), got
+
+
+def test_ddp_hook_gpu_branch():
+    run_ranks(check_ddp_hook, 2, timeout=RUN_TIMEOUT)
 
 
 def test_uncapturable_fallback_says_why():

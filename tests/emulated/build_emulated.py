@@ -8,7 +8,7 @@
   extension built from the same sources as setup.py's, except that the kernels
   are csrc/cuda/kernels.cu over the host shim (tests/emulated/kernels.cpp);
   with --coverage, build/emulated/pkg-coverage, instrumented for gcov
-  (tests/emulated/coverage.py).
+  (tests/emulated/line_coverage.py).
 
     python tests/emulated/build_emulated.py [--coverage]   # prints the environment to run under
 
@@ -176,7 +176,10 @@ def environment(coverage=False):
     if os.environ.get("PYTHONPATH"):
         python_path.append(os.environ["PYTHONPATH"])
     ld_path = [str(LIB)] + ([os.environ["LD_LIBRARY_PATH"]] if os.environ.get("LD_LIBRARY_PATH") else [])
-    return {"LD_PRELOAD": str(RUNTIME), "LD_LIBRARY_PATH": ":".join(ld_path), "PYTHONPATH": ":".join(python_path)}
+    # Two devices: code that does not make the communicator's device current shows
+    # (test_cuda.py's test_a_device_other_than_the_current_one); the other tests use device 0.
+    return {"LD_PRELOAD": str(RUNTIME), "LD_LIBRARY_PATH": ":".join(ld_path), "PYTHONPATH": ":".join(python_path),
+            "PYALLREDUCE_EMULATED_DEVICES": "2"}
 
 
 def run_pytest(env, args, timeout=None):

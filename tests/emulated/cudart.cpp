@@ -37,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -45,6 +46,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -65,6 +67,24 @@ cudaError_t fail(cudaError_t err) {
   // host thread and resets it to cudaSuccess."
   last_error = err;
   return err;
+}
+
+// Not CUDA: failure injection for tests. pyallreduce_emulated_fail(function, n)
+// (below, called through ctypes) makes the n-th next call of that runtime
+// function in this process fail as a real failure of it does (each caller
+// passes its error); a test arms it in one rank only, at the moment it wants.
+std::mutex injection_mutex;
+std::string injected_function;  // under injection_mutex; empty: nothing armed
+long injected_countdown = 0;
+std::atomic<bool> injection_armed{false};
+
+bool injected_failure(const char* function) {
+  if (!injection_armed.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> lock(injection_mutex);
+  if (injected_function != function || --injected_countdown > 0) return false;
+  injected_function.clear();
+  injection_armed.store(false, std::memory_order_release);
+  return true;
 }
 
 void note(const char* fmt, ...) {
@@ -88,10 +108,14 @@ struct Allocation {
   int fd;           // kDevice: the memfd; else -1
   char* map_start;  // what to unmap, and (device memory) to protect
   size_t map_bytes;
+  uint64_t serial = 0;  // kDevice: this process's allocation number, which its IPC handle names
+  int opens = 0;        // kPeerMapping: cudaIpcOpenMemHandle calls not yet closed
 };
+uint64_t allocations_made = 0;  // under memory_mutex
 
 std::mutex memory_mutex;
 std::map<uintptr_t, Allocation> allocations;  // by base address
+std::map<std::pair<int64_t, uint64_t>, uintptr_t> opened_handles;  // (owner pid, serial) -> the mapping's base
 
 // The allocation holding p, or allocations.end().
 std::map<uintptr_t, Allocation>::iterator find_allocation(const void* p) {
@@ -112,26 +136,50 @@ size_t page_round(size_t n) {
 // there. So it is mapped PROT_NONE here except while device work (a copy, a
 // memset, a kernel) runs, and such host code faults here too. Work is
 // asynchronous, so host code that runs while a kernel does is not caught.
-int device_work_depth = 0;  // under memory_mutex
+//
+// A kernel reads the memory of its own device only: memory another device
+// allocated is "not accessible without peer access" (cudaDeviceEnablePeerAccess;
+// the IPC mappings of peers are made in the opening device's context, so they
+// count as its memory). So while only kernels run, only their devices' memory
+// is open, and a kernel that touches another device's allocation faults (glue
+// that allocated without making the communicator's device current). Copies and
+// memsets may touch any device's memory (unified addressing): they open all.
+constexpr int kAllDevices = -1;
+int copies_running = 0;                  // under memory_mutex
+std::map<int, int> kernels_running;     // device -> kernels running on it, under memory_mutex
+thread_local int worker_device = kAllDevices;  // a stream worker: the device of the work it runs
 
-void protect_device_memory(int prot) {
+bool memory_open(const Allocation& a) {
+  if (a.kind == Kind::kHost || copies_running > 0) return true;
+  auto it = kernels_running.find(a.device);
+  return it != kernels_running.end() && it->second > 0;
+}
+
+void protect_device_memory() {
   for (auto& [base, a] : allocations) {
-    if (a.kind != Kind::kHost) mprotect(a.map_start, a.map_bytes, prot);
+    if (a.kind != Kind::kHost) mprotect(a.map_start, a.map_bytes, memory_open(a) ? PROT_READ | PROT_WRITE : PROT_NONE);
   }
 }
 
-void device_work(bool running) {
+// device: the kernel's, or kAllDevices for a copy or memset.
+void device_work(bool running, int device) {
   std::lock_guard<std::mutex> lock(memory_mutex);
-  if (running && device_work_depth++ == 0) protect_device_memory(PROT_READ | PROT_WRITE);
-  if (!running && --device_work_depth == 0) protect_device_memory(PROT_NONE);
+  int& count = device == kAllDevices ? copies_running : kernels_running[device];
+  const bool changes = running ? count++ == 0 : --count == 0;
+  if (changes) protect_device_memory();
 }
 
 struct DeviceWork {
-  DeviceWork() { device_work(true); }
-  ~DeviceWork() { device_work(false); }
+  DeviceWork() { device_work(true, kAllDevices); }
+  ~DeviceWork() { device_work(false, kAllDevices); }
 };
 
-int new_mapping_prot() { return device_work_depth > 0 ? PROT_READ | PROT_WRITE : PROT_NONE; }
+int new_mapping_prot(int device) {
+  Allocation probe{};
+  probe.kind = Kind::kDevice;
+  probe.device = device;
+  return memory_open(probe) ? PROT_READ | PROT_WRITE : PROT_NONE;
+}
 
 // ---- streams ------------------------------------------------------------------------
 
@@ -144,7 +192,12 @@ struct Stream {
   bool destroyed = false;
   bool blocking = true;   // synchronises with the legacy default stream
   int priority = 0;
+  int device = kAllDevices;  // made on it; the legacy stream: whichever device is current at each enqueue
   struct Capture* capture = nullptr;  // under streams_mutex: the capture sequence recording this stream
+  // When the last kFinishTimes tasks finished, by ticket: what cudaEventElapsedTime reads.
+  static constexpr uint64_t kFinishTimes = 1 << 14;
+  std::vector<std::chrono::steady_clock::time_point> finished_at =
+      std::vector<std::chrono::steady_clock::time_point>(kFinishTimes);
 
   void run() {
     for (;;) {
@@ -158,6 +211,7 @@ struct Stream {
       }
       task();
       std::lock_guard<std::mutex> lock(m);
+      finished_at[done % kFinishTimes] = std::chrono::steady_clock::now();
       ++done;
       cv.notify_all();
     }
@@ -179,6 +233,13 @@ struct Stream {
   bool idle_at(uint64_t ticket) {
     std::lock_guard<std::mutex> lock(m);
     return done >= ticket;
+  }
+  // When task `ticket` finished, if it has and is still remembered.
+  bool finish_time(uint64_t ticket, std::chrono::steady_clock::time_point* t) {
+    std::lock_guard<std::mutex> lock(m);
+    if (ticket == 0 || ticket > done || done - ticket >= kFinishTimes) return false;
+    *t = finished_at[(ticket - 1) % kFinishTimes];
+    return true;
   }
 };
 
@@ -262,6 +323,12 @@ bool unsafe_call_prohibited() {
 // when that capture was invalidated (returns -1).
 int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
   Stream* s = stream_of(handle);
+  const int device = s->device != kAllDevices ? s->device : current_device;
+  work = [device, work = std::move(work)] {
+    worker_device = device;
+    work();
+    worker_device = kAllDevices;
+  };
   std::vector<std::pair<Stream*, uint64_t>> before;
   {
     std::lock_guard<std::mutex> lock(streams_mutex);
@@ -350,6 +417,7 @@ struct Handle {
   int64_t pid;
   int64_t fd;
   uint64_t size;
+  uint64_t serial;  // the allocation's number in its process: an fd number is reused, an allocation is not
 };
 constexpr uint64_t kHandleMagic = 0x707961725f697063ull;  // "pyar_ipc"
 static_assert(sizeof(Handle) <= sizeof(cudaIpcMemHandle_t));
@@ -384,7 +452,9 @@ void pyallreduce_emulated_before_exit(void (*fn)(void)) { before_exit.push_back(
 }
 
 // tests/emulated/kernels.cpp: a kernel of ours starts (1) or has finished (0).
-void pyallreduce_emulated_device_work(int running) { device_work(running != 0); }
+void pyallreduce_emulated_device_work(int running) {
+  device_work(running != 0, worker_device != kAllDevices ? worker_device : current_device);
+}
 
 // tests/emulated/kernels.cpp: runs fn(arg), one kernel launch of ours, on the
 // stream's worker after the work enqueued before it.
@@ -541,6 +611,7 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
 
 cudaError_t cudaDeviceSynchronize() {
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  if (injected_failure("cudaDeviceSynchronize")) return fail(cudaErrorLaunchFailure);
   synchronize_device();
   return cudaSuccess;
 }
@@ -563,13 +634,13 @@ cudaError_t cudaMalloc(void** p, size_t n) {
     return fail(cudaErrorMemoryAllocation);
   }
   std::lock_guard<std::mutex> lock(memory_mutex);
-  const Mapping m = map_device_memory(fd, usable, new_mapping_prot());
+  const Mapping m = map_device_memory(fd, usable, new_mapping_prot(current_device));
   if (m.base == nullptr) {
     close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
   allocations[reinterpret_cast<uintptr_t>(m.base)] =
-      Allocation{usable, Kind::kDevice, current_device, fd, m.start, m.bytes};
+      Allocation{usable, Kind::kDevice, current_device, fd, m.start, m.bytes, ++allocations_made};
   *p = m.base;
   note("cudaMalloc(%zu) -> %p", n, m.base);
   return cudaSuccess;
@@ -709,7 +780,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   // base of an existing device memory allocation").
   if (it == allocations.end() || it->second.kind != Kind::kDevice) return fail(cudaErrorInvalidValue);
   std::memset(handle, 0, sizeof(*handle));
-  const Handle h{kHandleMagic, int64_t(getpid()), it->second.fd, it->second.size};
+  const Handle h{kHandleMagic, int64_t(getpid()), it->second.fd, it->second.size, it->second.serial};
   std::memcpy(handle, &h, sizeof(h));
   return cudaSuccess;
 }
@@ -721,28 +792,57 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
   // "cudaIpcOpenMemHandle ... cannot be used to open a handle in the process
   // that created it" (cudaErrorDeviceUninitialized on real drivers).
   if (h.pid == int64_t(getpid())) return fail(cudaErrorDeviceUninitialized);
+  if (injected_failure("cudaIpcOpenMemHandle")) return fail(cudaErrorMapBufferObjectFailed);
+  {
+    // "If the memory handle has already been opened by the current context, the
+    // reference count on the handle is incremented by 1 and the existing device
+    // pointer is returned" (cudaIpcOpenMemHandle); cudaIpcCloseMemHandle
+    // decrements it and unmaps at zero. So a handle opened twice and closed once
+    // stays mapped: peer_mappings() below lets a test see that.
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    auto open = opened_handles.find({h.pid, h.serial});
+    if (open != opened_handles.end()) {
+      ++allocations.at(open->second).opens;
+      *p = reinterpret_cast<void*>(open->second);
+      return cudaSuccess;
+    }
+  }
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%lld/fd/%lld", static_cast<long long>(h.pid),
                 static_cast<long long>(h.fd));
   const int fd = open(path, O_RDWR | O_CLOEXEC);
   if (fd < 0) return fail(cudaErrorMapBufferObjectFailed);
   std::lock_guard<std::mutex> lock(memory_mutex);
-  const Mapping m = map_device_memory(fd, h.size, new_mapping_prot());
+  const Mapping m = map_device_memory(fd, h.size, new_mapping_prot(current_device));
   close(fd);
   if (m.base == nullptr) return fail(cudaErrorMapBufferObjectFailed);
   allocations[reinterpret_cast<uintptr_t>(m.base)] =
-      Allocation{h.size, Kind::kPeerMapping, current_device, -1, m.start, m.bytes};
+      Allocation{h.size, Kind::kPeerMapping, current_device, -1, m.start, m.bytes, h.serial, 1};
+  opened_handles[{h.pid, h.serial}] = reinterpret_cast<uintptr_t>(m.base);
   *p = m.base;
   note("cudaIpcOpenMemHandle(pid %lld) -> %p", static_cast<long long>(h.pid), m.base);
   return cudaSuccess;
 }
 
 cudaError_t cudaIpcCloseMemHandle(void* p) {
-  synchronize_device();  // no queued work of ours may touch the mapping afterwards
+  // The reference says nothing of waiting for work that still reads the
+  // mapping (cudaFree says it synchronises; this does not): so it does not wait,
+  // and a kernel that runs after the last close faults. The caller waits first.
+  if (injected_failure("cudaIpcCloseMemHandle")) return fail(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations.end() || it->second.kind != Kind::kPeerMapping) return fail(cudaErrorInvalidValue);
-  unmap_device_memory(it->second);  // later accesses fault, as on a GPU
+  if (--it->second.opens > 0) return cudaSuccess;
+  for (auto open = opened_handles.begin(); open != opened_handles.end(); ++open) {
+    if (open->second == it->first) {
+      opened_handles.erase(open);
+      break;
+    }
+  }
+  // The address stays reserved (PROT_NONE): a late access faults rather than
+  // landing in a mapping made later at the same address.
+  mmap(it->second.map_start, it->second.map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+       -1, 0);
   allocations.erase(it);
   return cudaSuccess;
 }
@@ -753,6 +853,7 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* handle, unsigned int flag
   auto* s = new Stream;
   s->blocking = (flags & cudaStreamNonBlocking) == 0;
   s->priority = priority;
+  s->device = current_device;
   {
     std::lock_guard<std::mutex> lock(streams_mutex);
     live_streams.push_back(s);
@@ -797,6 +898,9 @@ struct EmulatedEvent {
   Stream* stream = nullptr;
   uint64_t ticket = 0;
   uint64_t capture_id = 0;  // recorded inside this capture sequence (a node of its graph)
+  // Recorded behind finished work: it completed at the record itself.
+  bool complete_at_record = false;
+  std::chrono::steady_clock::time_point recorded_at;
 };
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
@@ -816,6 +920,8 @@ cudaError_t cudaEventRecord(cudaEvent_t handle, cudaStream_t stream) {
   e->stream = stream_of(stream);
   e->ticket = e->stream->ticket();
   e->capture_id = e->stream->capture != nullptr ? e->stream->capture->id : 0;
+  e->recorded_at = std::chrono::steady_clock::now();
+  e->complete_at_record = e->stream->idle_at(e->ticket);
   return cudaSuccess;
 }
 cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int) { return cudaEventRecord(e, s); }
@@ -831,8 +937,27 @@ cudaError_t cudaEventSynchronize(cudaEvent_t handle) {
   if (e->stream != nullptr) e->stream->wait_for(e->ticket);
   return cudaSuccess;
 }
-cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
-  *ms = 0.0f;
+// Host time between the two events' completions (the emulation's device is host
+// threads: a number for a benchmark to print, not a GPU's). "cudaErrorNotReady
+// if either event has not completed yet"; cudaErrorInvalidResourceHandle if one
+// was never recorded.
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start_handle, cudaEvent_t end_handle) {
+  if (ms == nullptr || start_handle == nullptr || end_handle == nullptr) return fail(cudaErrorInvalidValue);
+  std::chrono::steady_clock::time_point at[2];
+  EmulatedEvent* events[2] = {reinterpret_cast<EmulatedEvent*>(start_handle),
+                              reinterpret_cast<EmulatedEvent*>(end_handle)};
+  for (int i = 0; i < 2; ++i) {
+    EmulatedEvent* e = events[i];
+    if (e->stream == nullptr) return fail(cudaErrorInvalidResourceHandle);
+    if (e->complete_at_record) {
+      at[i] = e->recorded_at;
+    } else if (!e->stream->idle_at(e->ticket)) {
+      return fail(cudaErrorNotReady);
+    } else if (!e->stream->finish_time(e->ticket, &at[i])) {
+      return fail(cudaErrorInvalidResourceHandle);  // too long ago to remember
+    }
+  }
+  *ms = std::chrono::duration<float, std::milli>(at[1] - at[0]).count();
   return cudaSuccess;
 }
 // The stream waits for the event's last record as of this call.
@@ -867,8 +992,22 @@ cudaStreamCaptureStatus capture_status(Stream* s, uint64_t* id) {
   return s->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
 }
 
+// "if this is called on cudaStreamLegacy (the "null stream") while a blocking
+// stream in the same device is capturing, it will return
+// cudaErrorStreamCaptureImplicit and *pCaptureStatus is unspecified after the
+// call. The blocking stream capture is not invalidated." (cudaStreamIsCapturing;
+// cudaStreamGetCaptureInfo says the same.) Under streams_mutex.
+bool legacy_query_implicit(Stream* s) {
+  if (s != legacy_stream()) return false;
+  for (Stream* b : live_streams) {
+    if (b->blocking && b->capture != nullptr && b->device == current_device) return true;
+  }
+  return false;
+}
+
 cudaError_t cudaStreamIsCapturing(cudaStream_t handle, cudaStreamCaptureStatus* status) {
   std::lock_guard<std::mutex> lock(streams_mutex);
+  if (legacy_query_implicit(stream_of(handle))) return fail(cudaErrorStreamCaptureImplicit);
   *status = capture_status(stream_of(handle), nullptr);
   return cudaSuccess;
 }
@@ -877,6 +1016,7 @@ cudaError_t cudaStreamGetCaptureInfo(cudaStream_t handle, cudaStreamCaptureStatu
                                      cudaGraph_t* graph, const cudaGraphNode_t** deps,
                                      const cudaGraphEdgeData** edges, size_t* ndeps) {
   std::lock_guard<std::mutex> lock(streams_mutex);
+  if (legacy_query_implicit(stream_of(handle))) return fail(cudaErrorStreamCaptureImplicit);
   uint64_t capture_id = 0;
   *status = capture_status(stream_of(handle), &capture_id);
   if (id) *id = capture_id;
@@ -1096,6 +1236,23 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p)
 }
 CUresult cuPointerGetAttribute(void* data, CUpointer_attribute attr, CUdeviceptr p) {
   return emulated_cuPointerGetAttribute(data, attr, p);
+}
+
+// Not CUDA: for tests (ctypes); see injected_failure. n <= 0 disarms.
+void pyallreduce_emulated_fail(const char* function, int n) {
+  std::lock_guard<std::mutex> lock(injection_mutex);
+  injected_function = n > 0 ? function : "";
+  injected_countdown = n;
+  injection_armed.store(n > 0, std::memory_order_release);
+}
+
+// Not CUDA: for tests (ctypes), the peer allocations this process has mapped
+// (cudaIpcOpenMemHandle) and not closed, so that one can check that none
+// outlives the communicator that mapped it.
+int pyallreduce_emulated_peer_mappings() {
+  std::lock_guard<std::mutex> lock(memory_mutex);
+  return int(std::count_if(allocations.begin(), allocations.end(),
+                           [](const auto& a) { return a.second.kind == Kind::kPeerMapping; }));
 }
 
 }  // extern "C"

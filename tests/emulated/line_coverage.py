@@ -1,11 +1,16 @@
-"""Line coverage (gcov) of the CUDA glue when tests/test_cuda.py runs on the
-emulated CUDA runtime: builds the instrumented extension
-(build_emulated.py --coverage), runs the file there, and reports, per glue
+"""Line coverage of the GPU path: gcov for the CUDA glue when
+tests/test_cuda.py runs on the emulated CUDA runtime (the instrumented
+extension, build_emulated.py --coverage); coverage.py for the Python CUDA
+engine, transport, DDP hook and backend, over that run and the CPU tests that
+drive the same Python with the CUDA calls stubbed (HOST_TESTS: error paths the
+emulation cannot provoke), a line counting as executed if either ran it (the
+pytest processes and every rank; needs `pip install coverage`). Reports, per
 file, the lines executed and the ones that were not.
 
-    python tests/emulated/coverage.py [--json OUT.json] [pytest -k expression]
+    python tests/emulated/line_coverage.py [--json OUT.json] [pytest -k expression]
 
-Every rank process writes its counts when it exits; gcov sums them.
+Every rank process writes its counts when it exits; gcov sums them, and
+coverage.py combines the processes' data files.
 """
 import argparse
 import gzip
@@ -17,19 +22,66 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 import build_emulated  # noqa: E402
+from launch import COVERAGE_ENV  # noqa: E402
 
 ROOT = build_emulated.ROOT
 # The glue under measurement, and the object each is compiled into.
 GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "csrc/cuda/runtime.cpp": "runtime.o"}
+# The Python of the GPU path (ddp.py and backend.py have CPU branches too, which the CPU suites run).
+PYTHON = ("pyallreduce/engines/cuda.py", "pyallreduce/transport/cuda_ipc.py", "pyallreduce/ddp.py",
+          "pyallreduce/backend.py", "pyallreduce/communicator.py")
+PY_DATA = build_emulated.OUT / "python-coverage" / "data"
+# The CPU tests of the Python GPU path (pyallreduce._C's CUDA functions stubbed) and of
+# ddp.py's and backend.py's other branches.
+HOST_TESTS = ("tests/test_lifetimes.py", "tests/test_graph_registration.py", "tests/test_topology.py",
+              "tests/test_backend.py", "tests/test_ddp.py")
+
+
+def python_under_coverage(args, cwd, env):
+    return subprocess.run([sys.executable, "-P", "-m", "coverage", "run", "--parallel-mode", f"--data-file={PY_DATA}",
+                           "--include=*/pyallreduce/*", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
+                          cwd=cwd, env={**env, COVERAGE_ENV: str(PY_DATA)}, capture_output=True, text=True)
 
 
 def run_tests(select=None):
-    env = {**os.environ, **build_emulated.build(coverage=True)}
+    """test_cuda.py on the emulation (gcov and coverage.py), then HOST_TESTS (coverage.py)."""
     for gcda in build_emulated.objects(coverage=True).glob("*.gcda"):
         gcda.unlink()
-    tests = build_emulated.run_pytest(env, [str(ROOT / "tests" / "test_cuda.py"), *(["-k", select] if select else [])])
-    return (tests.stdout.strip().splitlines() or [""])[-1], tests.returncode
+    PY_DATA.parent.mkdir(parents=True, exist_ok=True)
+    for old in PY_DATA.parent.glob("data*"):
+        old.unlink()
+    # The pytest processes too, under coverage.py: they import the package (the
+    # module-level lines) before the ranks fork.
+    emulated = python_under_coverage([str(ROOT / "tests" / "test_cuda.py"), *(["-k", select] if select else [])],
+                                     build_emulated.OUT, {**os.environ, **build_emulated.build(coverage=True)})
+    host = python_under_coverage([str(ROOT / t) for t in HOST_TESTS], ROOT, dict(os.environ))
+    summary = "; ".join(f"{what}: {(proc.stdout.strip().splitlines() or [''])[-1]}"
+                        for what, proc in (("emulated", emulated), ("host", host)))
+    return summary, emulated.returncode or host.returncode
+
+
+def measure_python():
+    import coverage
+
+    data = coverage.Coverage(data_file=str(PY_DATA))
+    data.combine()
+    data.save()
+    measured = data.get_data().measured_files()
+    files = {}
+    for source in PYTHON:
+        # The same file under two paths: the emulated package's link and the repository's.
+        statements, missed = [], None
+        for path in (f for f in measured if f.endswith(source)):
+            _, statements, _, missing, _ = data.analysis2(path)
+            missed = set(missing) if missed is None else missed & set(missing)
+        if missed is None:
+            files[source] = {"lines": 0, "executed": 0, "missed": "not imported"}
+            continue
+        files[source] = {"lines": len(statements), "executed": len(statements) - len(missed),
+                         "missed": sorted(missed)}
+    return files
 
 
 def measure(summary):
@@ -45,6 +97,7 @@ def measure(summary):
                     lines[line["line_number"]] = lines.get(line["line_number"], 0) + line["count"]
         missed = sorted(n for n, c in lines.items() if c == 0)
         report["files"][source] = {"lines": len(lines), "executed": len(lines) - len(missed), "missed": missed}
+    report["files"].update(measure_python())
     return report
 
 

@@ -78,6 +78,22 @@ MUTANTS = [
      [("pyallreduce/engines/cuda.py", "                self.transport.keep(_C.cuda_clear_buffers(self.handle))",
        "                _C.cuda_clear_buffers(self.handle)")],
      "host", [str(ROOT / "tests" / "test_lifetimes.py"), "-k", "keeps_captured_inputs"], {}),
+    ("a peer's mapping closed before its last kernel (unregister without the device wait)",
+     [("pyallreduce/engines/cuda.py", "            _C.cuda_synchronize(self.device.index)\n"
+       "            found = _C.cuda_unregister_buffer(self.handle, ptr)",
+       "            found = _C.cuda_unregister_buffer(self.handle, ptr)")],
+     "emulated", [TEST_CUDA, "-k", "unregister_right_after_calls"], LATE),
+    ("a peer's handle opened again by each user (mapped twice, closed once)",
+     [("pyallreduce/transport/cuda_ipc.py", "        if entry is None:\n            entry = self._opened[handle] = ",
+       "        if True:\n            entry = self._opened[handle] = ")],
+     "emulated", [TEST_CUDA, "-k", "unregister_right_after_calls or check_registered"], {}),
+    ("the staging region allocated without making the communicator's device current",
+     [("csrc/cuda/runtime.cpp", '  require(nbytes > 0, "region size must be positive");\n  DeviceScope scope(device);',
+       '  require(nbytes > 0, "region size must be positive");\n  RelaxedCaptureScope relaxed;')],
+     "emulated", [TEST_CUDA, "-k", "a_device_other_than_the_current_one"], {}),
+    ("the DDP hook's side stream not waiting for the gradients' stream",
+     [("pyallreduce/ddp.py", "        stream.wait_stream(torch.cuda.current_stream(self.device))\n", "")],
+     "emulated", [TEST_CUDA, "-k", "ddp_hook"], LATE),
 ]
 
 

@@ -10,12 +10,19 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
 #include <vector>
+
+// The emulation's own, for tests: the peer mappings open; a kernel's start and
+// end (what the host shim reports); a launch on a stream (tests/emulated/kernels.cpp).
+extern "C" int pyallreduce_emulated_peer_mappings();
+extern "C" void pyallreduce_emulated_device_work(int running);
+extern "C" void pyallreduce_emulated_enqueue(cudaStream_t, void (*)(void*), void (*)(void*), void*);
 
 namespace {
 
@@ -271,6 +278,124 @@ std::string ipc_exports_device_memory_and_not_to_itself() {
   return why;
 }
 
+// "If the memory handle has already been opened by the current context, the
+// reference count on the handle is incremented by 1 and the existing device
+// pointer is returned" (cudaIpcOpenMemHandle); "Decrements the reference count
+// of the memory returned by cudaIpcOpenMemHandle by 1. When the reference count
+// reaches 0, this API unmaps the memory" (cudaIpcCloseMemHandle). Opened in a
+// child process (a process cannot open its own handle).
+std::string ipc_opens_are_reference_counted() {
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaIpcMemHandle_t handle;
+  cudaIpcGetMemHandle(&handle, p);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    void *a = nullptr, *b = nullptr;
+    if (cudaIpcOpenMemHandle(&a, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(2);
+    if (cudaIpcOpenMemHandle(&b, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess || b != a) _exit(3);
+    if (pyallreduce_emulated_peer_mappings() != 1) _exit(4);
+    if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 1) _exit(5);
+    if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 0) _exit(6);
+    if (cudaIpcCloseMemHandle(a) != cudaErrorInvalidValue) _exit(7);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  cudaFree(p);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  return "the child failed at step " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
+         " (2 open, 3 second open not the same pointer, 4 not one mapping, 5 first close, 6 second close, "
+         "7 a third close did not fail)";
+}
+
+// cudaEventElapsedTime: "If cudaEventRecord() has not been called on either
+// event, then cudaErrorInvalidResourceHandle is returned"; between two
+// completed events in stream order, a time >= 0.
+std::string elapsed_time_needs_recorded_events() {
+  cudaEvent_t start = nullptr, end = nullptr;
+  cudaEventCreate(&start);
+  cudaEventCreate(&end);
+  float ms = -1.0f;
+  std::string why = expect(cudaEventElapsedTime(&ms, start, end), cudaErrorInvalidResourceHandle,
+                           "cudaEventElapsedTime(unrecorded events)");
+  cudaGetLastError();
+  void* p = nullptr;
+  cudaMalloc(&p, 1 << 20);
+  cudaStream_t s = new_stream();
+  cudaEventRecord(start, s);
+  cudaMemsetAsync(p, 0, 1 << 20, s);
+  cudaEventRecord(end, s);
+  cudaStreamSynchronize(s);
+  if (why.empty()) why = expect(cudaEventElapsedTime(&ms, start, end), cudaSuccess, "cudaEventElapsedTime");
+  if (why.empty() && !(ms >= 0.0f)) why = "a negative time between events in stream order";
+  cudaStreamDestroy(s);
+  cudaFree(p);
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  return why;
+}
+
+// cudaStreamIsCapturing: "if this is called on cudaStreamLegacy (the "null
+// stream") while a blocking stream in the same device is capturing, it will
+// return cudaErrorStreamCaptureImplicit ... The blocking stream capture is not
+// invalidated." A non-blocking stream's capture (torch.cuda.graph's) leaves the
+// query alone.
+std::string legacy_stream_query_beside_a_blocking_capture() {
+  std::string why;
+  cudaStream_t blocking = nullptr;
+  cudaStreamCreate(&blocking);
+  cudaStream_t nonblocking = new_stream();
+  cudaStreamCaptureStatus status;
+  cudaStreamBeginCapture(nonblocking, cudaStreamCaptureModeRelaxed);
+  why = expect(cudaStreamIsCapturing(nullptr, &status), cudaSuccess, "cudaStreamIsCapturing(legacy) beside a "
+                                                                     "non-blocking stream's capture");
+  end_capture(nonblocking);
+  cudaStreamBeginCapture(blocking, cudaStreamCaptureModeRelaxed);
+  if (why.empty()) {
+    why = expect(cudaStreamIsCapturing(nullptr, &status), cudaErrorStreamCaptureImplicit,
+                 "cudaStreamIsCapturing(legacy) beside a blocking stream's capture");
+  }
+  cudaGetLastError();
+  if (why.empty()) why = expect(end_capture(blocking), cudaSuccess, "ending the blocking capture (not invalidated)");
+  cudaStreamDestroy(blocking);
+  cudaStreamDestroy(nonblocking);
+  return why;
+}
+
+// "Peer-to-Peer Memory Access" (CUDA C++ Programming Guide): a kernel on one
+// device dereferences memory of another only once peer access is enabled
+// (cudaDeviceEnablePeerAccess, or an IPC mapping made in its own context). A
+// kernel that reads memory another device allocated faults here; its own
+// device's memory it reads. (Allocation on device 1, kernels on each device's
+// stream, in child processes.)
+std::string a_kernel_reads_only_its_devices_memory() {
+  cudaSetDevice(1);
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaMemset(p, 0, 4096);
+  cudaDeviceSynchronize();  // nothing running when the children fork (its locks would stay held there)
+  cudaSetDevice(0);
+  const auto kernel_on = [p](int device) {
+    cudaSetDevice(device);
+    cudaStream_t s = new_stream();
+    const auto read = [](void* at) {
+      pyallreduce_emulated_device_work(1);
+      std::printf("%d\n", *static_cast<volatile int*>(at));
+      pyallreduce_emulated_device_work(0);
+    };
+    pyallreduce_emulated_enqueue(s, read, [](void*) {}, p);
+    cudaStreamSynchronize(s);
+  };
+  std::string why;
+  if (faults([&] { kernel_on(1); })) why = "a kernel faulted on its own device's memory";
+  if (why.empty() && !faults([&] { kernel_on(0); })) why = "a kernel read another device's memory";
+  cudaSetDevice(1);
+  cudaFree(p);
+  cudaSetDevice(0);
+  return why;
+}
+
 // The emulation's own honesty rules (what a GPU does): host code that reads
 // device memory faults, and so does a read past an allocation's end.
 std::string host_reads_of_device_memory_fault() {
@@ -286,6 +411,7 @@ std::string host_reads_of_device_memory_fault() {
 }  // namespace
 
 int main() {
+  setenv("PYALLREDUCE_EMULATED_DEVICES", "2", 1);  // two devices for the peer-access rule
   const std::vector<std::pair<const char*, std::function<std::string()>>> rules = {
       {"unsafe_call_in_own_global_capture", unsafe_call_in_own_global_capture},
       {"unsafe_call_beside_another_threads_global_capture", unsafe_call_beside_another_threads_global_capture},
@@ -299,6 +425,10 @@ int main() {
       {"an_unrecorded_event_is_complete", an_unrecorded_event_is_complete},
       {"free_of_an_interior_pointer_fails_and_the_error_clears", free_of_an_interior_pointer_fails_and_the_error_clears},
       {"ipc_exports_device_memory_and_not_to_itself", ipc_exports_device_memory_and_not_to_itself},
+      {"ipc_opens_are_reference_counted", ipc_opens_are_reference_counted},
+      {"elapsed_time_needs_recorded_events", elapsed_time_needs_recorded_events},
+      {"legacy_stream_query_beside_a_blocking_capture", legacy_stream_query_beside_a_blocking_capture},
+      {"a_kernel_reads_only_its_devices_memory", a_kernel_reads_only_its_devices_memory},
       {"host_reads_of_device_memory_fault", host_reads_of_device_memory_fault},
   };
   for (const auto& [name, check] : rules) report(name, check());
