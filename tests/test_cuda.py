@@ -906,8 +906,8 @@ def test_unregister_right_after_calls():
 
 
 def test_a_device_other_than_the_current_one():
-    if torch.cuda.device_count() < 2:  # the emulation has two (tests/emulated/build_emulated.py)
-        pytest.skip("needs two GPUs")
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("needs two GPUs with peer access (the emulation has two: tests/emulated/build_emulated.py)")
     run_ranks(check_a_device_other_than_the_current_one, 2, timeout=RUN_TIMEOUT)
 
 

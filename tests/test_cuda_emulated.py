@@ -124,28 +124,19 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
 
 def test_compare_nccl_runs_the_gpu_path_on_the_emulation(emulated_env, tmp_path):
     """bench/compare_nccl.py on the emulated runtime: the CUDA communicator, IPC
-    and comm.capture() graphs (sizes up to --graph-max-bytes are timed as graph
-    replays) for every algo, chunked sizes included, checked exactly against the
+    and comm.capture() graphs (1 KiB is timed as graph replays) for every algo,
+    a chunked size (256 KiB in 64 KiB runs) included, checked exactly against the
     expected sums and the reference (gloo through host copies there); its times
     are labelled as the emulation's."""
     out = tmp_path / "emulated.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_nccl.py"), "--device", "cuda", "--nproc", "2",
-                           "--sizes", "1K:256K", "--factor", "16", "--dtypes", "float32,bfloat16", "--ops", "sum,avg",
-                           "--iters", "2", "--warmup", "1", "--max-bytes", "64K", "--json", str(out)],
+                           "--sizes", "1K:256K", "--factor", "256", "--dtypes", "float32,bfloat16", "--ops", "sum,avg",
+                           "--iters", "2", "--warmup", "1", "--max-bytes", "64K", "--graph-max-bytes", "1K",
+                           "--json", str(out)],
                           cwd=tmp_path, env=emulated_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "EMULATED CUDA runtime" in proc.stdout and "# wrong elements: 0 OK" in proc.stdout, proc.stdout[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["emulated"] is True
     rows = report["rows"]
-    assert len(rows) == 2 * 2 * 3 * 3 and all(r["wrong"] == 0 and r["backend"] == "cuda" for r in rows), rows
-
-
-def test_glue_mutants_are_caught():
-    """tests/emulated/mutants.py: each deliberate bug in the CUDA glue or the
-    Python GPU stack makes a CI test fail (docs/verification.md has the table).
-    It edits the working tree in place and restores every file afterwards (also
-    on an interrupt; not if the process is killed: `git status` then shows it)."""
-    proc = subprocess.run([sys.executable, str(BUILD.parent / "mutants.py")], capture_output=True, text=True,
-                          timeout=3600)
-    assert proc.returncode == 0, f"mutants survived:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert len(rows) == 2 * 2 * 2 * 3 and all(r["wrong"] == 0 and r["backend"] == "cuda" for r in rows), rows
