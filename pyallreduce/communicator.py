@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
-from .arguments import (ALGOS, algo_id, average_or_none, check_numel, check_same_as, check_tensor, data, eager, gathered_shape,
-                        parse_op, scattered_shape, staging_bytes, timeout_seconds)
+from .arguments import (ALGOS, algo_id, average_or_none, check_numel, check_same_as, check_tensor, data, eager,
+                        gathered_shape, parse_op, scattered_shape, staging_bytes, timeout_seconds)
 from .engines import check_capture_entry, engine_class, resolve_backend, resolve_device, stream_capturing
 from .group import agree_on_group
 from .pieces import reduce_in_chunks, scatter_or_gather_in_pieces
@@ -230,8 +230,15 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type, *exc):
-        # After an error the peers may never reach a collective close.
-        self._close(sync=exc_type is None)
+        if exc_type is None:
+            self._close(sync=True)
+            return
+        # After an error the peers may never reach a collective close; and that
+        # error, not one of the close after it (say on a GPU a fault left unusable), is the one to see.
+        try:
+            self._close(sync=False)
+        except Exception as e:
+            logs.log_once(f"closing after an error failed too: {e}")
 
     def __del__(self):
         try:

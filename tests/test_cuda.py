@@ -764,6 +764,25 @@ def check_runtime_failures_on_one_rank(rank, world):
     return seen
 
 
+def check_a_kernel_fault_on_one_rank(rank, world):
+    """Rank 1's kernel faults (emulation: injected), which leaves its CUDA
+    unusable (a sticky error): rank 1 raises the CUDA error, rank 0 raises at
+    its deadline naming rank 1, and leaving the `with` after it hangs nowhere
+    and does not hide the error."""
+    torch.cuda.set_device(0)
+    x = on_gpu(exact_input(1000, rank, torch.float32, 1))
+    try:
+        with make_comm(timeout=5) as comm:
+            comm.all_reduce(x)
+            comm.check()
+            inject_failure("kernel" if rank == 1 else None)
+            comm.all_reduce(x)
+            comm.check()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
 class Bucket:
     """What DDP hands a communication hook (dist.GradBucket's buffer() and index())."""
 
@@ -815,7 +834,8 @@ def check_ddp_hook(rank, world):
                     b.copy_(on_gpu(exact_input(b.numel(), rank, torch.float32, salt + i)))
                 futures = [allreduce_hook(state, Bucket(b, i)) for i, b in enumerate(buckets)]
                 for i, (b, fut) in enumerate(zip(buckets, futures)):
-                    if fut.wait() is not b or not torch.equal(b.cpu(), exact_avg(b.numel(), world, torch.float32, salt + i)):
+                    want = exact_avg(b.numel(), world, torch.float32, salt + i)
+                    if fut.wait() is not b or not torch.equal(b.cpu(), want):
                         wrong.append((when, step, i))
             registered = [_C.cuda_is_registered(comm._handle, b.data_ptr(), b.nbytes) for b in buckets]
             assert registered == [True, True], (when, registered)
@@ -927,6 +947,14 @@ def test_runtime_failures_on_one_rank():
     assert "after" not in got and got["next"] == "ok: True", got
     assert got["unregister"].startswith("RuntimeError: pyallreduce: unregistering a buffer failed on rank 1"), got
     assert got["close"].startswith("RuntimeError: pyallreduce: unmapping the peers' memory failed on rank 1"), got
+
+
+def test_a_kernel_fault_on_one_rank():
+    if not EMULATED:
+        pytest.skip("the fault is injected through the emulated runtime")
+    errors = run_ranks(check_a_kernel_fault_on_one_rank, 2, timeout=RUN_TIMEOUT)
+    assert "illegal memory access" in errors[1] and "closing" not in errors[1], errors
+    assert "deadline" in errors[0] and "rank(s) 1 never arrived" in errors[0], errors
 
 
 def test_ddp_hook_gpu_branch():

@@ -61,12 +61,28 @@ thread_local int current_device = 0;
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeGlobal;
 
+// A fault in a kernel (injected: pyallreduce_emulated_fail("kernel", n)) is a
+// sticky error, as on a GPU: "the process is left in an inconsistent state and
+// any further CUDA work will return the same error" (cudaErrorIllegalAddress).
+// Every call that uses the context returns it from then on, cudaGetLastError
+// does not clear it, and work still queued does not run. Process-wide here (a
+// GPU keeps it per context).
+std::atomic<int> sticky_fault{cudaSuccess};
+
+cudaError_t sticky_error() { return cudaError_t(sticky_fault.load(std::memory_order_acquire)); }
+
 cudaError_t fail(cudaError_t err) {
   // "cudaGetLastError: returns the last error that has been produced by any of
   // the runtime calls in the same instance of the CUDA Runtime library in the
   // host thread and resets it to cudaSuccess."
   last_error = err;
   return err;
+}
+
+// What a wait returns once done: the sticky error if the work waited for faulted.
+cudaError_t after_wait() {
+  const cudaError_t sticky = sticky_error();
+  return sticky == cudaSuccess ? cudaSuccess : fail(sticky);
 }
 
 // Not CUDA: failure injection for tests. pyallreduce_emulated_fail(function, n)
@@ -325,6 +341,7 @@ int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
   Stream* s = stream_of(handle);
   const int device = s->device != kAllDevices ? s->device : current_device;
   work = [device, work = std::move(work)] {
+    if (sticky_error() != cudaSuccess) return;  // after a fault, queued work does not run
     worker_device = device;
     work();
     worker_device = kAllDevices;
@@ -460,18 +477,26 @@ void pyallreduce_emulated_device_work(int running) {
 // stream's worker after the work enqueued before it.
 void pyallreduce_emulated_enqueue(cudaStream_t stream, void (*run)(void*), void (*destroy)(void*), void* arg) {
   std::shared_ptr<void> held(arg, destroy);  // a captured launch runs at every replay
+  if (injected_failure("kernel")) {  // this kernel faults: the sticky error from when it would run
+    enqueue(stream, [] { sticky_fault.store(cudaErrorIllegalAddress, std::memory_order_release); });
+    return;
+  }
   if (enqueue(stream, [run, held] { run(held.get()); }) < 0) fail(cudaErrorStreamCaptureInvalidated);
 }
 
 // ---- errors -------------------------------------------------------------------
 
 cudaError_t cudaGetLastError() {
+  if (const cudaError_t sticky = sticky_error()) return sticky;  // not cleared
   const cudaError_t e = last_error;
   last_error = cudaSuccess;
   return e;
 }
 
-cudaError_t cudaPeekAtLastError() { return last_error; }
+cudaError_t cudaPeekAtLastError() {
+  if (const cudaError_t sticky = sticky_error()) return sticky;
+  return last_error;
+}
 
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
@@ -491,6 +516,9 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorIllegalState: return "cudaErrorIllegalState";
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
     default: return "cudaError (emulated)";
   }
 }
@@ -501,6 +529,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidDeviceFunction:
       return "invalid device function (the emulated CUDA runtime runs only pyallreduce's kernels)";
     case cudaErrorNotSupported: return "operation not supported (by the emulated CUDA runtime)";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     default: return cudaGetErrorName(e);
   }
 }
@@ -610,13 +639,15 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   if (injected_failure("cudaDeviceSynchronize")) return fail(cudaErrorLaunchFailure);
   synchronize_device();
-  return cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   *free_bytes = size_t(8) << 30;
   *total = size_t(16) << 30;
   return cudaSuccess;
@@ -625,6 +656,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 // ---- memory ----------------------------------------------------------------------
 
 cudaError_t cudaMalloc(void** p, size_t n) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (p == nullptr) return fail(cudaErrorInvalidValue);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   const size_t usable = (std::max<size_t>(n, 1) + kAllocAlign - 1) / kAllocAlign * kAllocAlign;
@@ -647,6 +679,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 }
 
 cudaError_t cudaFree(void* p) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (p == nullptr) return cudaSuccess;
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize_device();  // cudaFree waits for the device's work first
@@ -663,6 +696,7 @@ cudaError_t cudaFree(void* p) {
 }
 
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   const size_t size = page_round(n == 0 ? 1 : n);
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -677,6 +711,7 @@ cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
 cudaError_t cudaMallocHost(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
 
 cudaError_t cudaFreeHost(void* p) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize_device();  // as cudaFree
   std::lock_guard<std::mutex> lock(memory_mutex);
@@ -688,6 +723,7 @@ cudaError_t cudaFreeHost(void* p) {
 }
 
 cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned int flags) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   // "flags: provided for future releases. For now, it must be set to 0."
   if (flags != 0) return fail(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(memory_mutex);
@@ -730,20 +766,24 @@ cudaError_t copy(void* dst, const void* src, size_t n, cudaStream_t stream, bool
     std::memmove(dst, src, n);
   });
   if (ticket < 0) return fail(cudaErrorStreamCaptureInvalidated);
-  if (host_waits) stream_of(stream)->wait_for(uint64_t(ticket));
-  return cudaSuccess;
+  if (!host_waits) return cudaSuccess;
+  stream_of(stream)->wait_for(uint64_t(ticket));
+  return after_wait();
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   return copy(dst, src, n, nullptr, /*synchronous_call=*/true);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   return copy(dst, src, n, stream, false);
 }
 
 cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                               size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   for (size_t r = 0; r < height; ++r) {
     const cudaError_t e = cudaMemcpyAsync(static_cast<char*>(dst) + r * dpitch,
                                           static_cast<const char*>(src) + r * spitch, width, kind, stream);
@@ -753,12 +793,14 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
 }
 
 cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   return copy(dst, src, n, stream, false);
 }
 
 // Asynchronous for device memory ("the cudaMemset functions are asynchronous
 // with respect to the host except when the target is pinned host memory").
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   const Side side = side_of(p, n);
   if (n > 0 && (side == Side::kInvalid || side == Side::kPageable)) return fail(cudaErrorInvalidValue);
   const int64_t ticket = enqueue(stream, [=] {
@@ -773,6 +815,7 @@ cudaError_t cudaMemset(void* p, int v, size_t n) { return cudaMemsetAsync(p, v, 
 // ---- legacy IPC --------------------------------------------------------------------
 
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   std::lock_guard<std::mutex> lock(memory_mutex);
   auto it = find_allocation(p);
   // Only memory of cudaMalloc can be exported; an interior pointer exports its
@@ -786,6 +829,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
 }
 
 cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned int) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   Handle h;
   std::memcpy(&h, &handle, sizeof(h));
   if (h.magic != kHandleMagic) return fail(cudaErrorInvalidValue);
@@ -825,6 +869,7 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
 }
 
 cudaError_t cudaIpcCloseMemHandle(void* p) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   // The reference says nothing of waiting for work that still reads the
   // mapping (cudaFree says it synchronises; this does not): so it does not wait,
   // and a kernel that runs after the last close faults. The caller waits first.
@@ -850,6 +895,7 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
 // ---- streams and events ----------------------------------------------------------
 
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* handle, unsigned int flags, int priority) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   auto* s = new Stream;
   s->blocking = (flags & cudaStreamNonBlocking) == 0;
   s->priority = priority;
@@ -878,11 +924,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t handle) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (refuse_sync_of(s)) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize(s);
-  return cudaSuccess;
+  return after_wait();
 }
 cudaError_t cudaStreamQuery(cudaStream_t handle) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (refuse_sync_of(handle)) return fail(cudaErrorStreamCaptureUnsupported);
   Stream* s = stream_of(handle);
   return s->idle_at(s->ticket()) ? cudaSuccess : cudaErrorNotReady;
@@ -904,6 +952,7 @@ struct EmulatedEvent {
 };
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   *e = reinterpret_cast<cudaEvent_t>(new EmulatedEvent{});
   return cudaSuccess;
 }
@@ -914,6 +963,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t handle, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
   auto* e = reinterpret_cast<EmulatedEvent*>(handle);
   std::lock_guard<std::mutex> lock(streams_mutex);
@@ -926,22 +976,25 @@ cudaError_t cudaEventRecord(cudaEvent_t handle, cudaStream_t stream) {
 }
 cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int) { return cudaEventRecord(e, s); }
 cudaError_t cudaEventQuery(cudaEvent_t handle) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
   auto* e = reinterpret_cast<EmulatedEvent*>(handle);
   return e->stream == nullptr || e->stream->idle_at(e->ticket) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t handle) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   auto* e = reinterpret_cast<EmulatedEvent*>(handle);
   if (e->stream != nullptr) e->stream->wait_for(e->ticket);
-  return cudaSuccess;
+  return after_wait();
 }
 // Host time between the two events' completions (the emulation's device is host
 // threads: a number for a benchmark to print, not a GPU's). "cudaErrorNotReady
 // if either event has not completed yet"; cudaErrorInvalidResourceHandle if one
 // was never recorded.
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start_handle, cudaEvent_t end_handle) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (ms == nullptr || start_handle == nullptr || end_handle == nullptr) return fail(cudaErrorInvalidValue);
   std::chrono::steady_clock::time_point at[2];
   EmulatedEvent* events[2] = {reinterpret_cast<EmulatedEvent*>(start_handle),
@@ -962,6 +1015,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start_handle, cudaEvent_
 }
 // The stream waits for the event's last record as of this call.
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t handle, unsigned int) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
   auto* e = reinterpret_cast<EmulatedEvent*>(handle);
   {
@@ -1032,6 +1086,7 @@ struct EmulatedGraph {
 };
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t handle, cudaStreamCaptureMode mode) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   std::lock_guard<std::mutex> lock(streams_mutex);
   Stream* s = stream_of(handle);
   // "cudaStreamBeginCapture ... may not be called on the legacy stream".
@@ -1043,6 +1098,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t handle, cudaStreamCaptureMode mo
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t handle, cudaGraph_t* graph) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   std::lock_guard<std::mutex> lock(streams_mutex);
   Stream* s = stream_of(handle);
   Capture* c = s->capture;
@@ -1059,6 +1115,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t handle, cudaGraph_t* graph) {
 }
 
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (graph == nullptr) return fail(cudaErrorInvalidValue);
   *exec = reinterpret_cast<cudaGraphExec_t>(new EmulatedGraph(*reinterpret_cast<EmulatedGraph*>(graph)));
   return cudaSuccess;
@@ -1070,6 +1127,7 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsig
 
 // A replay: the recorded work, with the arguments it was captured with, in order.
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (exec == nullptr) return fail(cudaErrorInvalidValue);
   for (const auto& node : reinterpret_cast<EmulatedGraph*>(exec)->nodes) {
     if (enqueue(stream, node) < 0) return fail(cudaErrorStreamCaptureInvalidated);
@@ -1091,6 +1149,7 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, size_t*
 cudaError_t cudaGraphUpload(cudaGraphExec_t, cudaStream_t) { return cudaSuccess; }
 
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   delete reinterpret_cast<EmulatedGraph*>(exec);
   return cudaSuccess;
 }
@@ -1112,6 +1171,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
 // Only pyallreduce's kernels run here (through the host shim, not this call):
 // a launch through the runtime is one of torch's kernels.
 cudaError_t cudaLaunchKernel(const void* func, dim3, dim3, void**, size_t, cudaStream_t) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   note("cudaLaunchKernel(%p): not emulated; launched from", func);
   if (std::getenv("PYALLREDUCE_EMULATED_TRACE") != nullptr) {
     void* frames[32];
@@ -1137,6 +1197,7 @@ cudaError_t __cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** a
   return cudaLaunchKernel(func, grid, block, args, shmem, stream);
 }
 cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t*, const void* func, void**) {
+  if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   note("cudaLaunchKernelExC(%p): not emulated", func);
   return fail(cudaErrorInvalidDeviceFunction);
 }

@@ -23,6 +23,7 @@
 extern "C" int pyallreduce_emulated_peer_mappings();
 extern "C" void pyallreduce_emulated_device_work(int running);
 extern "C" void pyallreduce_emulated_enqueue(cudaStream_t, void (*)(void*), void (*)(void*), void*);
+extern "C" void pyallreduce_emulated_fail(const char* function, int n);
 
 namespace {
 
@@ -396,6 +397,32 @@ std::string a_kernel_reads_only_its_devices_memory() {
   return why;
 }
 
+// A fault in a kernel is a sticky error: "cudaErrorIllegalAddress ... This
+// leaves the process in an inconsistent state and any further CUDA work will
+// return the same error. To continue using CUDA, the process must be
+// terminated and relaunched." The wait for the faulting kernel returns it,
+// cudaGetLastError returns it without clearing it, and later calls fail with
+// it; a non-sticky error is cleared (free_of_an_interior_pointer_...). In a
+// child process, whose CUDA it ruins.
+std::string a_kernel_fault_is_sticky() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    cudaStream_t s = new_stream();
+    pyallreduce_emulated_fail("kernel", 1);
+    pyallreduce_emulated_enqueue(s, [](void*) {}, [](void*) {}, nullptr);
+    if (cudaStreamSynchronize(s) != cudaErrorIllegalAddress) _exit(2);
+    if (cudaGetLastError() != cudaErrorIllegalAddress || cudaGetLastError() != cudaErrorIllegalAddress) _exit(3);
+    void* p = nullptr;
+    if (cudaMalloc(&p, 64) != cudaErrorIllegalAddress) _exit(4);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  return "the child failed at step " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
+         " (2 the wait did not return the fault, 3 cudaGetLastError cleared it, 4 a later call succeeded)";
+}
+
 // The emulation's own honesty rules (what a GPU does): host code that reads
 // device memory faults, and so does a read past an allocation's end.
 std::string host_reads_of_device_memory_fault() {
@@ -429,6 +456,7 @@ int main() {
       {"elapsed_time_needs_recorded_events", elapsed_time_needs_recorded_events},
       {"legacy_stream_query_beside_a_blocking_capture", legacy_stream_query_beside_a_blocking_capture},
       {"a_kernel_reads_only_its_devices_memory", a_kernel_reads_only_its_devices_memory},
+      {"a_kernel_fault_is_sticky", a_kernel_fault_is_sticky},
       {"host_reads_of_device_memory_fault", host_reads_of_device_memory_fault},
   };
   for (const auto& [name, check] : rules) report(name, check());
