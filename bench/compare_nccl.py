@@ -183,14 +183,15 @@ def expected_output(count, dtype, op, world):
     return (total / world if op == "avg" else total).to(dtype)
 
 
-def group_sum(t, through_host):
-    """dist.all_reduce(t) (SUM), through a host copy on the emulated CUDA runtime."""
-    if not through_host:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return
-    host = t.cpu()
-    dist.all_reduce(host, op=dist.ReduceOp.SUM)
-    t.copy_(host)
+def group_sum(t, through_host, divisor=1):
+    """t = dist.all_reduce(t) (SUM), divided by divisor; through a host copy on
+    the emulated CUDA runtime (which runs no torch kernel)."""
+    work = t.cpu() if through_host else t
+    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    if divisor != 1:
+        work.div_(divisor)
+    if work is not t:
+        t.copy_(work)
 
 
 def reference_call(op, world, through_host):
@@ -201,14 +202,8 @@ def reference_call(op, world, through_host):
     def call(t):
         if op == "avg" and native_avg:
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
-        elif through_host:
-            host = t.cpu()
-            dist.all_reduce(host, op=dist.ReduceOp.SUM)
-            t.copy_(host.div_(world) if op == "avg" else host)
         else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            if op == "avg":
-                t.div_(world)
+            group_sum(t, through_host, world if op == "avg" else 1)
     return call
 
 

@@ -15,20 +15,21 @@ ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
 
 
-def parse_op(op):
-    """'sum' | 'avg' | dist.ReduceOp.SUM | dist.ReduceOp.AVG -> average?"""
-    try:
-        return AVERAGE[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"pyallreduce: op must be 'sum' or 'avg', got {op!r}") from None
-
-
 def average_or_none(op):
-    """parse_op on the fast paths: None for an op parse_op rejects."""
+    """'sum' | 'avg' | dist.ReduceOp.SUM | dist.ReduceOp.AVG -> average?; None
+    for anything else (the fast paths then leave the call to parse_op)."""
     try:
         return AVERAGE[op]
     except (KeyError, TypeError):
         return None
+
+
+def parse_op(op):
+    """average_or_none, raising for an unknown op."""
+    average = average_or_none(op)
+    if average is None:
+        raise ValueError(f"pyallreduce: op must be 'sum' or 'avg', got {op!r}")
+    return average
 
 
 def algo_id(algo, crossover, nbytes):

@@ -66,14 +66,14 @@ def _serves(device):
     return served
 
 
+_STRIDED = torch.strided
+
+
 def _all_strided_on(device, tensors):
     for t in tensors:  # a loop, not any(generator): half the cost for two tensors
         if t.device != device or t.layout is not _STRIDED:
             return False
     return True
-
-
-_STRIDED = torch.strided
 
 
 class _Serving(threading.local):

@@ -120,8 +120,9 @@ class Communicator:
             return out
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
+        tried_direct = out is not None
         out = self._out(tensor, out, scattered_shape(tensor, self.world_size))
-        self._scatter_or_gather(_C.REDUCE_SCATTER, data(tensor), data(out), average)
+        self._scatter_or_gather(_C.REDUCE_SCATTER, data(tensor), data(out), average, tried_direct)
         return out
 
     def all_gather(self, tensor, out=None):
@@ -132,8 +133,9 @@ class Communicator:
         if out is not None and self._direct_segments(_C.ALL_GATHER, tensor, out, False):
             return out
         self._check_tensor(tensor, "tensor")
+        tried_direct = out is not None
         out = self._out(tensor, out, gathered_shape(tensor, self.world_size))
-        self._scatter_or_gather(_C.ALL_GATHER, data(tensor), data(out), False)
+        self._scatter_or_gather(_C.ALL_GATHER, data(tensor), data(out), False, tried_direct)
         return out
 
     def register(self, tensor):
@@ -339,11 +341,11 @@ class Communicator:
         reduce_in_chunks(lambda s, d: self._run(s, d, algo_id(algo, self.crossover, nbytes_of(s)), average),
                          src, dst, self.max_bytes // src.element_size())
 
-    def _scatter_or_gather(self, collective, src, dst, average):
+    def _scatter_or_gather(self, collective, src, dst, average, tried_direct):
         """dst = reduce_scatter(src) or all_gather(src) across ranks (collective: _C.REDUCE_SCATTER,
         _C.ALL_GATHER); checked by the caller. One place decides: kernels or fallback,
         chunking, and the contiguous copies."""
-        if self._direct_segments(collective, src, dst, average):  # a new out, or a given one declined above
+        if not tried_direct and self._direct_segments(collective, src, dst, average):  # the out made here
             return
         scatters = collective == _C.REDUCE_SCATTER
         segment = dst if scatters else src  # protocol.h's S: the per-rank part

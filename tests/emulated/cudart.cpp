@@ -165,11 +165,14 @@ int copies_running = 0;                  // under memory_mutex
 std::map<int, int> kernels_running;     // device -> kernels running on it, under memory_mutex
 thread_local int worker_device = kAllDevices;  // a stream worker: the device of the work it runs
 
-bool memory_open(const Allocation& a) {
-  if (a.kind == Kind::kHost || copies_running > 0) return true;
-  auto it = kernels_running.find(a.device);
+// Whether device work may touch `device`'s memory now (under memory_mutex).
+bool device_memory_open(int device) {
+  if (copies_running > 0) return true;
+  auto it = kernels_running.find(device);
   return it != kernels_running.end() && it->second > 0;
 }
+
+bool memory_open(const Allocation& a) { return a.kind == Kind::kHost || device_memory_open(a.device); }
 
 void protect_device_memory() {
   for (auto& [base, a] : allocations) {
@@ -190,12 +193,7 @@ struct DeviceWork {
   ~DeviceWork() { device_work(false, kAllDevices); }
 };
 
-int new_mapping_prot(int device) {
-  Allocation probe{};
-  probe.kind = Kind::kDevice;
-  probe.device = device;
-  return memory_open(probe) ? PROT_READ | PROT_WRITE : PROT_NONE;
-}
+int new_mapping_prot(int device) { return device_memory_open(device) ? PROT_READ | PROT_WRITE : PROT_NONE; }
 
 // ---- streams ------------------------------------------------------------------------
 

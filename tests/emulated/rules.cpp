@@ -44,8 +44,9 @@ std::string expect(cudaError_t got, cudaError_t want, const char* what) {
   return std::string(what) + " returned " + cudaGetErrorName(got) + ", expected " + cudaGetErrorName(want);
 }
 
-// Runs fn in a child process; true when the child died of SIGSEGV.
-bool faults(const std::function<void()>& fn) {
+// Runs fn in a child process and returns its wait status (fn may exit the
+// child early with _exit(step)).
+int in_child(const std::function<void()>& fn) {
   const pid_t pid = fork();
   if (pid == 0) {
     fn();
@@ -53,7 +54,22 @@ bool faults(const std::function<void()>& fn) {
   }
   int status = 0;
   waitpid(pid, &status, 0);
+  return status;
+}
+
+// Runs fn in a child process; true when the child died of SIGSEGV.
+bool faults(const std::function<void()>& fn) {
+  const int status = in_child(fn);
   return WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV;
+}
+
+// Runs steps in a child process, which exits with the number of the step that
+// failed; "" when none did, else which one (steps: what each number means).
+std::string child_steps(const std::function<void()>& fn, const std::string& steps) {
+  const int status = in_child(fn);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  return "the child failed at step " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + " (" +
+         steps + ")";
 }
 
 cudaStream_t new_stream() {
@@ -290,24 +306,20 @@ std::string ipc_opens_are_reference_counted() {
   cudaMalloc(&p, 4096);
   cudaIpcMemHandle_t handle;
   cudaIpcGetMemHandle(&handle, p);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    void *a = nullptr, *b = nullptr;
-    if (cudaIpcOpenMemHandle(&a, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(2);
-    if (cudaIpcOpenMemHandle(&b, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess || b != a) _exit(3);
-    if (pyallreduce_emulated_peer_mappings() != 1) _exit(4);
-    if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 1) _exit(5);
-    if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 0) _exit(6);
-    if (cudaIpcCloseMemHandle(a) != cudaErrorInvalidValue) _exit(7);
-    _exit(0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
+  const std::string why = child_steps(
+      [&handle] {
+        void *a = nullptr, *b = nullptr;
+        if (cudaIpcOpenMemHandle(&a, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(2);
+        if (cudaIpcOpenMemHandle(&b, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess || b != a) _exit(3);
+        if (pyallreduce_emulated_peer_mappings() != 1) _exit(4);
+        if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 1) _exit(5);
+        if (cudaIpcCloseMemHandle(a) != cudaSuccess || pyallreduce_emulated_peer_mappings() != 0) _exit(6);
+        if (cudaIpcCloseMemHandle(a) != cudaErrorInvalidValue) _exit(7);
+      },
+      "2 open, 3 second open not the same pointer, 4 not one mapping, 5 first close, 6 second close, "
+      "7 a third close did not fail");
   cudaFree(p);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return "the child failed at step " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-         " (2 open, 3 second open not the same pointer, 4 not one mapping, 5 first close, 6 second close, "
-         "7 a third close did not fail)";
+  return why;
 }
 
 // cudaEventElapsedTime: "If cudaEventRecord() has not been called on either
@@ -405,22 +417,17 @@ std::string a_kernel_reads_only_its_devices_memory() {
 // it; a non-sticky error is cleared (free_of_an_interior_pointer_...). In a
 // child process, whose CUDA it ruins.
 std::string a_kernel_fault_is_sticky() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    cudaStream_t s = new_stream();
-    pyallreduce_emulated_fail("kernel", 1);
-    pyallreduce_emulated_enqueue(s, [](void*) {}, [](void*) {}, nullptr);
-    if (cudaStreamSynchronize(s) != cudaErrorIllegalAddress) _exit(2);
-    if (cudaGetLastError() != cudaErrorIllegalAddress || cudaGetLastError() != cudaErrorIllegalAddress) _exit(3);
-    void* p = nullptr;
-    if (cudaMalloc(&p, 64) != cudaErrorIllegalAddress) _exit(4);
-    _exit(0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return "the child failed at step " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-         " (2 the wait did not return the fault, 3 cudaGetLastError cleared it, 4 a later call succeeded)";
+  return child_steps(
+      [] {
+        cudaStream_t s = new_stream();
+        pyallreduce_emulated_fail("kernel", 1);
+        pyallreduce_emulated_enqueue(s, [](void*) {}, [](void*) {}, nullptr);
+        if (cudaStreamSynchronize(s) != cudaErrorIllegalAddress) _exit(2);
+        if (cudaGetLastError() != cudaErrorIllegalAddress || cudaGetLastError() != cudaErrorIllegalAddress) _exit(3);
+        void* p = nullptr;
+        if (cudaMalloc(&p, 64) != cudaErrorIllegalAddress) _exit(4);
+      },
+      "2 the wait did not return the fault, 3 cudaGetLastError cleared it, 4 a later call succeeded");
 }
 
 // The emulation's own honesty rules (what a GPU does): host code that reads
