@@ -70,7 +70,7 @@ def extensions():
     # -g1 overrides the -g in Python's own CFLAGS: line tables keep backtraces
     # readable; full debug info of torch's headers made each file build 1.6x slower.
     cxx = ["-O3", "-g1", "-std=c++20", "-ffp-contract=off", "-fvisibility=hidden"]
-    sources = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp"]
+    sources = ["csrc/module.cpp", "csrc/backend.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp"]
     if not with_cuda:
         return [CppExtension("pyallreduce._C", sources, extra_compile_args={"cxx": cxx}, libraries=["rt"])]
     os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("PYALLREDUCE_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)

@@ -1,8 +1,10 @@
 """The "pyallreduce" torch.distributed backend against gloo, on CPU: all-reduce,
 reduce-scatter and all-gather through dist.* on a group of each backend, the
 same calls on a pyallreduce.Communicator directly (the backend's overhead is
-the difference), and torch's own floor: dist.* on a Python backend that does
-nothing and returns a completed Work (what any Python backend pays).
+the difference), and torch's own floors: dist.* on a Python backend that does
+nothing and returns a completed Work (what any Python backend pays), and on
+torch's C++ fake backend (what any backend pays; the pyallreduce backend's
+calls run in C++ once its Communicator exists, csrc/backend.cpp).
 
     python bench/backend_bench.py --nproc 2 --sizes 256:16M --json out.json   # spawns the ranks itself
 
@@ -29,8 +31,9 @@ from compare_nccl import machine_description, size_range, slowest_rank_stats, ti
 from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-# dist.* on gloo, dist.* on pyallreduce, Communicator methods, dist.* on the do-nothing backend
-PATHS = ("gloo", "backend", "direct", "floor")
+# dist.* on gloo, dist.* on pyallreduce, Communicator methods, dist.* on the do-nothing
+# Python backend, dist.* on torch's C++ fake backend
+PATHS = ("gloo", "backend", "direct", "floor", "cpp_floor")
 FLOOR = "pyallreduce_floor"
 
 
@@ -105,14 +108,17 @@ def run(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     if FLOOR.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(FLOOR, FloorBackend, devices=["cpu"])
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
     groups = {"gloo": dist.new_group(backend="gloo"), "backend": dist.new_group(backend="pyallreduce"),
-              "floor": dist.new_group(backend=FLOOR)}
+              "floor": dist.new_group(backend=FLOOR), "cpp_floor": dist.new_group(backend="fake")}
     comm = pyallreduce.Communicator(groups["gloo"], device="cpu")
     rows, wrong_total = [], 0
     if rank == 0:
         print(f"# {machine_description(torch.device('cpu'), world)}")
         print(f"# {'collective':>14} {'size (B)':>10} {'gloo (us)':>11} {'backend':>10} {'direct':>10} "
-              f"{'floor':>8} {'vs gloo':>8} {'overhead':>9} {'over floor':>10} {'#wrong':>7}")
+              f"{'floor':>8} {'C++ floor':>9} {'vs gloo':>8} {'overhead':>9} {'over floor':>10} "
+              f"{'over C++':>9} {'#wrong':>7}")
     for collective in COLLECTIVES:
         for nbytes in size_range(args.sizes, args.factor):
             row = {"collective": collective, "bytes": nbytes, "world": world}
@@ -121,7 +127,7 @@ def run(args):
                 run_call, result, want, before_timing = calls(collective, nbytes, rank, world, groups.get(path),
                                                               comm if path == "direct" else None)
                 run_call()
-                if path != "floor":  # it computes nothing
+                if path not in ("floor", "cpp_floor"):  # they compute nothing
                     wrong += int((result() != want).sum())
                 if before_timing:
                     before_timing()
@@ -135,11 +141,13 @@ def run(args):
             row["overhead_us"] = row["backend_us"] - row["direct_us"]
             # The target (issue: backend <= direct + floor + 3 us): what is ours beyond torch's floor.
             row["over_floor_us"] = row["overhead_us"] - row["floor_us"]
+            row["over_cpp_floor_us"] = row["overhead_us"] - row["cpp_floor_us"]
             rows.append(row)
             if rank == 0:
                 print(f"  {collective:>14} {nbytes:>10} {row['gloo_us']:>11.1f} {row['backend_us']:>10.1f} "
-                      f"{row['direct_us']:>10.1f} {row['floor_us']:>8.1f} {row['speedup_vs_gloo']:>7.1f}x "
-                      f"{row['overhead_us']:>9.1f} {row['over_floor_us']:>10.1f} {row['wrong']:>7}", flush=True)
+                      f"{row['direct_us']:>10.1f} {row['floor_us']:>8.1f} {row['cpp_floor_us']:>9.1f} "
+                      f"{row['speedup_vs_gloo']:>7.1f}x {row['overhead_us']:>9.1f} {row['over_floor_us']:>10.1f} "
+                      f"{row['over_cpp_floor_us']:>9.1f} {row['wrong']:>7}", flush=True)
     comm.close()
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

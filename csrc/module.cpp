@@ -13,6 +13,7 @@
 #include <map>
 #include <sstream>
 
+#include "backend.h"
 #include "common/context.h"
 #include "common/op_args.h"
 #include "common/protocol.h"
@@ -427,6 +428,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("average"), py::arg("in_place"), py::arg("algo") = kAgreeOnly,
         py::call_guard<py::gil_scoped_release>());
   bind_shm(m);
+  bind_backend(m);
   m.def("cpu_isa", &host_isa, "the vector ISA of the CPU backend's reductions: avx512, avx2 or generic");
 #ifdef PYALLREDUCE_WITH_CUDA
   bind_cuda(m);

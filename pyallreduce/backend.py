@@ -31,18 +31,23 @@ the inner backend on one rank and into pyallreduce on another. Every rank
 reaches the first served call at the same collective (the choice depends only
 on the collective, op and device, which a correct program keeps equal across
 ranks), so the collective construction is safe.
+
+The class derives from pyallreduce._C.ServingBackend (csrc/backend.cpp): once
+a device's Communicator exists, an eager single-tensor all_reduce,
+reduce_scatter_tensor or all_gather_into_tensor that fits its kernels runs
+there, in C++, without entering Python (torch's Python trampoline alone costs
+more than such a call); everything else comes to the methods below. The turn
+and the per-thread "serving" mark live in C++, where that fast path reads them.
 """
 import contextlib
 import datetime
 import functools
-import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
-from . import logs
+from . import _C, logs
 from .communicator import Communicator
 
 NAME = "pyallreduce"
@@ -76,14 +81,8 @@ def _all_strided_on(device, tensors):
     return True
 
 
-class _Serving(threading.local):
-    """Per thread: inside a Communicator call (or its construction or close),
-    whose own torch.distributed calls go to the inner backend. A class
-    attribute, so that reading it in another thread costs no AttributeError."""
-    active = False
-
-# Python name of each Backend method (the trampoline's names, torch/csrc/distributed/
-# c10d/py/PyBackend.hpp) that the inner backend serves as it is.
+# Python name of each Backend method (csrc/backend.cpp forwards them here, by
+# torch's trampoline names) that the inner backend serves as it is.
 DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "all_to_all_single", "alltoall",
              "send", "recv", "recv_anysource", "barrier", "allgather_coalesced")
 
@@ -147,23 +146,17 @@ def _raise(error, _future):
     raise error
 
 
-class PyallreduceBackend(_C10dBackend):
+class PyallreduceBackend(_C.ServingBackend):
     def __init__(self, store, rank, world_size, timeout, process_group):
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size, NAME)
+        self._keep_python_object()  # torch holds the C++ half only
         self._store = dist.PrefixStore(INNER_PREFIX, store)
         self._timeout = timeout
         self._group = process_group
         self._inner = {}  # device type -> the inner gloo / NCCL backend, made at first use
         self._comms = {}  # torch.device -> Communicator
-        # The thread inside a Communicator call (or its construction or close): its
-        # torch.distributed calls are the Communicator's own and go to the inner backend.
-        self._serving = _Serving()
-        self._turn = threading.Lock()  # one served call at a time; other threads wait
         self._closed = False
         self._inner_backend("cpu")  # gloo's rendezvous now, as every rank creates the group
-
-    def getBackendName(self):
-        return NAME
 
     # ---- served here ---------------------------------------------------------
 
@@ -242,42 +235,41 @@ class PyallreduceBackend(_C10dBackend):
         Errors are raised by the Work's wait(), as torch's backends do. Every
         call of the backend passes here: kept to plain statements (no
         generator, no contextmanager), as it costs on every small collective."""
-        serving = self._serving
+        serving = self._is_serving()  # inside a Communicator call: its own exchanges go to the inner backend
         device = tensors[0].device if tensors else None
-        if serving.active or device is None or not _serves(device) or not _all_strided_on(device, tensors):
-            why = None if serving.active else "tensors on several devices, sparse, or of a device it does not serve"
+        if serving or device is None or not _serves(device) or not _all_strided_on(device, tensors):
+            why = None if serving else "tensors on several devices, sparse, or of a device it does not serve"
             return self._inner_call(name, why, *args)
         if result is None:
             result = tensors
-        with self._turn:
-            serving.active = True  # its own torch.distributed calls go to the inner backend
-            try:
-                run(self._comms.get(device) or self._communicator(device))
-            except Exception as e:
-                return CompletedWork(result, e)
-            finally:
-                serving.active = False
+        self._acquire_turn()  # one served call at a time; other threads wait (GIL released)
+        self._begin_serving()
+        try:
+            run(self._comms.get(device) or self._communicator(device))
+        except Exception as e:
+            return CompletedWork(result, e)
+        finally:
+            self._end_serving()
+            self._release_turn()
         if not tensors[0].is_cuda:
             return CompletedWork(result)
         # Inside a CUDA graph capture the graph itself orders the captured work.
         return CompletedWork(result, None, None if torch.cuda.is_current_stream_capturing()
                              else torch.cuda.current_stream(device))
 
-    def _is_serving(self):
-        return self._serving.active
-
     @contextlib.contextmanager
     def _serve_here(self):
-        """Marks this thread as inside a Communicator call (see _serving)."""
-        self._serving.active = True
+        """Marks this thread as inside a Communicator call (see _serve)."""
+        self._begin_serving()
         try:
             yield
         finally:
-            self._serving.active = False
+            self._end_serving()
 
     def _communicator(self, device):
-        """The Communicator for `device`, made at its first call. Caller holds _turn
-        and is serving (its setup exchanges go to the inner backend)."""
+        """The Communicator for `device`, made at its first call; from then on the
+        C++ fast path serves the eager calls it would run directly. Caller holds
+        the turn and is serving (its setup exchanges go to the inner backend)."""
         if self._closed:
             raise RuntimeError(f"pyallreduce: this {NAME} process group was destroyed")
         comm = self._comms.get(device)
@@ -290,6 +282,9 @@ class PyallreduceBackend(_C10dBackend):
                                    "make one collective call on this device before capturing")
             comm = Communicator(self._group, device=device, timeout=self._timeout)
             self._comms[device] = comm
+            fast_path = comm._eager_fast_path()
+            if fast_path is not None:
+                self._set_fast(device, *fast_path)
         return comm
 
     # ---- the inner backends ------------------------------------------------
@@ -324,12 +319,14 @@ class PyallreduceBackend(_C10dBackend):
         self._release()
 
     def _release(self):
-        # Under _turn: a call still running on another thread (at worst until its
+        # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
-        with self._turn:
+        self._acquire_turn()
+        try:
             if self._closed:
                 return
             self._closed = True
+            self._clear_fast()
             comms, self._comms = list(self._comms.values()), {}
             self._group = None  # breaks the cycle group -> backend -> group
             try:
@@ -343,6 +340,8 @@ class PyallreduceBackend(_C10dBackend):
             finally:
                 for inner in self._inner.values():
                     inner.shutdown()
+        finally:
+            self._release_turn()
 
 
 def _device_type(args):

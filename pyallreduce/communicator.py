@@ -281,6 +281,16 @@ class Communicator:
         self._calls += 1
         return dst
 
+    def _eager_fast_path(self):
+        """What a caller that runs this communicator's eager calls in C++ as
+        _direct does (the torch.distributed backend, csrc/backend.cpp) needs:
+        (context handle, two_shot_min_bytes, reference_min_bytes or -1); None
+        where every call must come through here (a fallback, debug)."""
+        if self._handle is None or self.debug:
+            return None
+        reference_min = self.crossover.reference_min_bytes
+        return self._handle, self.crossover.two_shot_min_bytes, -1 if reference_min is None else reference_min
+
     def _direct_segments(self, collective, src, dst, average):
         """_direct for reduce-scatter and all-gather (average None: an op the
         general path rejects): whether the C++ side ran the call."""

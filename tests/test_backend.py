@@ -24,6 +24,12 @@ NUMEL = 1000
 CPU = torch.device("cpu")
 
 
+def served_calls(impl):
+    """The calls the backend's CPU Communicator ran: in C++ (csrc/backend.cpp's
+    fast path) or through Python."""
+    return impl.fast_calls + impl._comms[CPU]._calls
+
+
 def reinit(backend, store_file):
     """Replaces run_ranks' gloo group by one of `backend`; returns its CPU backend."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -64,7 +70,7 @@ def _all_reduce(rank, world_size, backend, store_file):
         assert len(future_value) == 1 and torch.equal(future_value[0], x)
     comm = impl._comms[CPU]
     assert comm is not None and comm.fallback_reason is None, comm
-    assert comm._calls >= 3 * len(dtypes), "the calls did not run on the communicator"
+    assert impl.fast_calls >= 3 * len(dtypes) - 1, "the calls did not take the C++ fast path"
 
     # Served by the inner gloo backend.
     b = torch.full((4,), float(rank))
@@ -160,7 +166,7 @@ def _ddp(rank, world_size, store_file):
     impl = reinit("pyallreduce", store_file)
     params = _train(rank, world_size)
     comm = impl._comms[CPU]
-    assert comm is not None and comm._calls > 0, "DDP's all-reduces did not run on the communicator"
+    assert comm is not None and served_calls(impl) > 0, "DDP's all-reduces did not run on the communicator"
     for k, (p, q) in enumerate(zip(params, reference)):
         assert torch.equal(p, q), f"parameter {k} differs from gloo's by {(p - q).abs().max().item()}"
     import gc
@@ -235,7 +241,7 @@ def _scatter_gather(rank, world_size, store_file):
     for k, (a, b) in enumerate(zip(got, reference, strict=True)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"result {k} ({a.dtype}) differs from gloo's"
     # 4 reduce-scatters, 6 all-gathers, the list forms, 2 coalesced all-reduces, 2 x 2 coalesced
-    assert impl._comms[CPU]._calls >= 4 + 6 + 2 + 2 + 4, impl._comms[CPU]._calls
+    assert served_calls(impl) >= 4 + 6 + 2 + 2 + 4, served_calls(impl)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -249,7 +255,7 @@ def _train_on_both(train, store_file, what):
     reference = train()
     impl = reinit("pyallreduce", store_file)
     params = train()
-    assert impl._comms[CPU]._calls > 0, f"{what} did not run on the communicator"
+    assert served_calls(impl) > 0, f"{what} did not run on the communicator"
     return [(p - q).abs().max().item() for p, q in zip(params, reference, strict=True)]
 
 
@@ -401,6 +407,9 @@ def _second_thread(rank, world_size, store_file):
     dist.all_reduce(torch.ones(4))
     backend = dist.group.WORLD._get_backend(CPU)
     comm = backend._comms[CPU]
+    backend._acquire_turn()
+    backend._clear_fast()  # every call through Python (the fast path's turn: the next test)
+    backend._release_turn()
     started, inner_calls = threading.Event(), []
     real = comm.all_reduce_
 
@@ -432,6 +441,44 @@ def _second_thread(rank, world_size, store_file):
 
 def test_a_second_thread_waits_its_turn(tmp_path):
     run_ranks(_second_thread, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _second_thread_fast(rank, world_size, store_file):
+    """The same in the C++ fast path: rank 0's call holds the turn while it
+    waits for rank 1 (2 s late); rank 0's second thread calls meanwhile and
+    must wait for the turn, not enter the Communicator beside the first call
+    (which would raise, or pair with rank 1's calls in another order). Rank 1
+    makes the two calls in that order from its two threads too."""
+    import threading
+
+    backend = reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))  # creates the Communicator: the fast path from here on
+    fast_before = backend.fast_calls
+    x, y = torch.full((5,), float(rank + 1)), torch.full((3,), float(rank + 1))
+    errors = []
+
+    def other():
+        try:
+            dist.all_reduce(y)
+        except Exception as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    if rank == 0:
+        threading.Timer(0.5, t.start).start()  # while the main thread's call waits for rank 1
+    else:
+        time.sleep(2.0)
+    dist.all_reduce(x)
+    if rank != 0:
+        t.start()
+    t.join(60)
+    assert not t.is_alive() and errors == [], errors
+    assert torch.equal(x, torch.full((5,), 3.0)) and torch.equal(y, torch.full((3,), 3.0))
+    assert backend.fast_calls == fast_before + 2, "the calls did not take the C++ fast path"
+
+
+def test_a_second_thread_waits_its_turn_in_the_fast_path(tmp_path):
+    run_ranks(_second_thread_fast, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 
 
 def _first_cuda_call_in_capture(rank, world_size, store_file):

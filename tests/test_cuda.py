@@ -10,6 +10,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -615,6 +616,8 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     assert torch.equal(y.cpu(), exact_avg(1000, world, torch.float32, 5))
 
     z = on_gpu(exact_input(4096, rank, torch.float32, 6))
+    if rank == 1:
+        time.sleep(0.2)  # rank 0's kernel waits for it on the device while rank 0's host goes on
     work = dist.all_reduce(z, async_op=True)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -629,6 +632,8 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     gathered = on_gpu(torch.zeros(seg * world))
     _dist_all_gather(gathered, on_gpu(exact_input(seg, rank, torch.float32, 8)))
     assert torch.equal(gathered.cpu(), torch.cat([exact_input(seg, q, torch.float32, 8) for q in range(world)]))
+    # After the first call made the Communicator, the rest took the backend's C++ fast path.
+    assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 4
 
     dist.destroy_process_group()  # closes the CUDA communicator with its peers
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)

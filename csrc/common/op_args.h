@@ -35,6 +35,10 @@ void run_collective(CollectiveImpl impl, int64_t handle, const at::Tensor& input
 // dispatcher (pyallreduce._C.try_collective_eager; see csrc/module.cpp).
 bool register_eager_impl(c10::DeviceType type, CollectiveImpl impl);
 
+// Runs the call through that Impl if the tensors fit a kernel as they are
+// (csrc/module.cpp); false, having done nothing, where they do not.
+bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo, bool average);
+
 // A backend's agreement round (protocol.h, kAgreeOnly): publishes `desc` (its
 // epoch is filled in), meets the peers at the start barrier and throws
 // CallMismatch unless every rank published the same; moves no data. Run by

@@ -15,6 +15,9 @@ struct Context;
 // and raises what they recorded (cuda::check) on the current stream.
 void cuda_check(Context& ctx);
 
+// Whether the current stream of `device` is capturing a CUDA graph.
+bool cuda_current_stream_capturing(int device);
+
 // Adds the cuda_* functions to pyallreduce._C.
 void bind_cuda(pybind11::module_& m);
 

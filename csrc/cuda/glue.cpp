@@ -20,13 +20,14 @@
 
 namespace pyallreduce {
 namespace cuda {
-namespace {
 
 bool is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   return capture != cudaStreamCaptureStatusNone;
 }
+
+namespace {
 
 // ---- zero-copy registrations ------------------------------------------------------
 // Per context: registered local buffers by start address, and the graph table.

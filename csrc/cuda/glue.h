@@ -27,6 +27,9 @@ namespace cuda {
 using Keep = std::shared_ptr<void>;
 using MakeKeep = std::function<Keep()>;
 
+// Whether `stream` is capturing a CUDA graph.
+bool is_capturing(cudaStream_t stream);
+
 // ---- status record, launch order, checks --------------------------------------------
 
 // Makes the communicator's status record and launch-order event (when it is

@@ -41,8 +41,8 @@ OUT = ROOT / "build" / "emulated"
 LIB = OUT / "lib"
 RUNTIME = LIB / "libcudart_emulated.so"
 # setup.py's sources, with the kernels on the host shim.
-EXTENSION_SOURCES = ["csrc/module.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp", "csrc/cuda/adapter.cpp",
-                     "csrc/cuda/glue.cpp", "csrc/cuda/runtime.cpp", "tests/emulated/kernels.cpp"]
+EXTENSION_SOURCES = ["csrc/module.cpp", "csrc/backend.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp",
+                     "csrc/cuda/adapter.cpp", "csrc/cuda/glue.cpp", "csrc/cuda/runtime.cpp", "tests/emulated/kernels.cpp"]
 CXX_FLAGS = ["-O1", "-g1", "-std=c++20", "-ffp-contract=off", "-fno-strict-aliasing", "-DPYALLREDUCE_WITH_CUDA"]
 
 

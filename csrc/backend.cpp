@@ -1,0 +1,320 @@
+// The "pyallreduce" torch.distributed backend's C++ half (pyallreduce/backend.py
+// is the rest): the base class of its Python backend, which serves the eager
+// all-reduce, reduce-scatter and all-gather of one tensor without entering
+// Python.
+//
+// Why: a Python backend costs torch's Python trampoline on every collective
+// (GIL, argument conversion, a Python Work): about as much as the collective
+// itself at small sizes, which is where a custom all-reduce wins or loses
+// against NCCL. Its three fast methods run the call on the group's
+// Communicator context through try_collective_eager (the Communicator's own
+// eager fast path) and return a finished Work; whatever that declines, and
+// every other method, goes to the Python subclass, where the decisions live. What the fast
+// path may take is the Communicator's decision too: it hands over its context
+// with its crossover row (set_fast) only when its eager calls go direct.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>  // PyWorkHolder
+#include <torch/csrc/utils/pyobject_preservation.h>
+
+#include <mutex>
+#include <string>
+#include <optional>
+#include <vector>
+
+#include "backend.h"
+#include "common/op_args.h"
+#include "common/protocol.h"
+#ifdef PYALLREDUCE_WITH_CUDA
+#include "cuda/adapter.h"
+#endif
+
+namespace pyallreduce {
+namespace {
+
+namespace py = pybind11;
+
+// The Work of a call issued here. A CPU call has finished; a CUDA kernel is
+// enqueued on the current stream, and the future was completed on that stream
+// (its events follow the kernel), so wait() makes the caller's current stream
+// wait for the collective, not the host: NCCL's semantics.
+class IssuedWork : public c10d::Work {
+ public:
+  explicit IssuedWork(c10::intrusive_ptr<c10::ivalue::Future> future) : future_(std::move(future)) {}
+
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return !future_->hasError(); }
+  std::exception_ptr exception() const override { return future_->exception_ptr(); }
+  std::vector<at::Tensor> result() override { return future_->value().toTensorVector(); }
+  void synchronize() override { future_->wait(); }
+  bool wait(std::chrono::milliseconds) override {
+    future_->waitAndThrow();
+    return true;
+  }
+  void blockCurrentStream() override { future_->wait(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+c10::intrusive_ptr<c10d::Work> issued(const at::Tensor& result, std::exception_ptr error) {
+  std::vector<c10::Device> devices;
+#ifdef PYALLREDUCE_WITH_CUDA
+  // Inside a CUDA graph capture the graph itself orders the captured work: no events.
+  if (result.is_cuda() && !cuda_current_stream_capturing(result.get_device())) devices.push_back(result.device());
+#endif
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                         std::move(devices));
+  if (error) {
+    future->setError(error);
+  } else {
+    future->markCompleted(c10::IValue(std::vector<at::Tensor>{result}));
+  }
+  return c10::make_intrusive<IssuedWork>(std::move(future));
+}
+
+// The communicators this thread is inside (a served call, a construction, a
+// close): their own torch.distributed calls on the group come back here and
+// must go to the inner backend, never to the fast path (which would wait for
+// the turn this thread holds).
+thread_local std::vector<const void*> serving_here;
+
+bool is_serving(const void* backend) {
+  for (const void* b : serving_here) {
+    if (b == backend) return true;
+  }
+  return false;
+}
+
+// The Python subclass's method `pyname` for the Backend method `name`, as
+// torch's trampoline (c10d::PyBackend) calls it. Not that trampoline itself:
+// its lookup matches the Python object's C++ type exactly, which here is
+// ServingBackend, so it would find no Python method.
+#define PYTHON_WORK(name, pyname, ...)                                                              \
+  do {                                                                                             \
+    py::gil_scoped_acquire gil;                                                                    \
+    py::function method = py::get_override(static_cast<const ServingBackend*>(this), pyname);      \
+    if (method) return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(method(__VA_ARGS__)); \
+    return Backend::name(__VA_ARGS__);                                                             \
+  } while (false)
+
+class ServingBackend : public c10d::Backend {
+ public:
+  ServingBackend(int rank, int size, std::string name) : Backend(rank, size), name_(std::move(name)) {}
+
+  // ---- served here when they fit, else by the Python subclass ----------------
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1) {
+      if (auto work = fast(tensors[0], tensors[0], opts.reduceOp, kAgreeOnly)) return work;
+    }
+    PYTHON_WORK(allreduce, "allreduce", tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+                                                       const c10d::ReduceScatterOptions& opts) override {
+    if (auto work = fast(input, output, opts.reduceOp, kReduceScatter)) return work;
+    PYTHON_WORK(reduce_scatter_single, "reduce_scatter_single", output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input,
+                                                   const c10d::AllgatherOptions& opts) override {
+    if (auto work = fast(input, output, c10d::ReduceOp(c10d::ReduceOp::SUM), kAllGather)) return work;
+    PYTHON_WORK(all_gather_single, "all_gather_single", output, input, opts);
+  }
+
+  // ---- by the Python subclass --------------------------------------------------
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    PYTHON_WORK(allreduce_coalesced, "allreduce_coalesced", tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    PYTHON_WORK(allreduce_sparse, "allreduce_sparse", tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    PYTHON_WORK(reduce_scatter_single_coalesced, "reduce_scatter_single_coalesced", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    PYTHON_WORK(reduce_scatter, "reduce_scatter", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                             std::vector<at::Tensor>& inputs,
+                                                             const c10d::AllgatherOptions& opts) override {
+    PYTHON_WORK(all_gather_single_coalesced, "all_gather_single_coalesced", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    PYTHON_WORK(allgather, "allgather", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    PYTHON_WORK(allgather_coalesced, "allgather_coalesced", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    PYTHON_WORK(broadcast, "broadcast", tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    PYTHON_WORK(reduce, "reduce", tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override {
+    PYTHON_WORK(gather, "gather", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    PYTHON_WORK(scatter, "scatter", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
+                                                   std::vector<int64_t>& output_splits,
+                                                   std::vector<int64_t>& input_splits,
+                                                   const c10d::AllToAllOptions& opts) override {
+    PYTHON_WORK(all_to_all_single, "all_to_all_single", output, input, output_splits, input_splits, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    PYTHON_WORK(alltoall, "alltoall", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
+    PYTHON_WORK(send, "send", tensors, dst_rank, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
+    PYTHON_WORK(recv, "recv", tensors, src_rank, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    PYTHON_WORK(recvAnysource, "recv_anysource", tensors, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    PYTHON_WORK(barrier, "barrier", opts);
+  }
+  void shutdown() override { call_python("shutdown"); }
+  void abort() override { call_python("abort"); }
+  const std::string getBackendName() const override { return name_; }
+
+  // ---- for the Python subclass ----------------------------------------------
+
+  // The Communicator context that serves `device` eagerly, with its crossover
+  // row (reference_min_bytes < 0: never the reference). Caller holds the turn.
+  void set_fast(const c10::Device& device, int64_t handle, int64_t two_shot_min_bytes,
+                int64_t reference_min_bytes) {
+    for (Fast& f : fast_) {
+      if (f.device == device) {
+        f = Fast{device, handle, two_shot_min_bytes, reference_min_bytes};
+        return;
+      }
+    }
+    fast_.push_back(Fast{device, handle, two_shot_min_bytes, reference_min_bytes});
+  }
+  void clear_fast() { fast_.clear(); }  // caller holds the turn
+
+  // One served call at a time, in the order callers arrive (NCCL orders a
+  // process's collectives too); the GIL is released while waiting.
+  void acquire_turn() {
+    py::gil_scoped_release nogil;
+    turn_.lock();
+  }
+  void release_turn() { turn_.unlock(); }
+
+  void begin_serving() { serving_here.push_back(this); }
+  void end_serving() {
+    for (auto it = serving_here.rbegin(); it != serving_here.rend(); ++it) {
+      if (*it == this) {
+        serving_here.erase(std::next(it).base());
+        return;
+      }
+    }
+  }
+  bool serving() const { return is_serving(this); }
+  int64_t fast_calls() const { return fast_calls_; }
+
+ private:
+  struct Fast {
+    c10::Device device;
+    int64_t handle;
+    int64_t two_shot_min_bytes;
+    int64_t reference_min_bytes;
+
+    // policy.Crossover's rule: the kernel for nbytes, or -1 where the reference wins.
+    int64_t algo_for(int64_t nbytes) const {
+      if (reference_min_bytes >= 0 && nbytes >= reference_min_bytes) return -1;
+      return nbytes >= two_shot_min_bytes ? kTwoShot : kOneShot;
+    }
+  };
+
+  // The call run here, or null having done nothing (the Python subclass then serves it).
+  c10::intrusive_ptr<c10d::Work> fast(const at::Tensor& input, at::Tensor& out, const c10d::ReduceOp& op,
+                                      int64_t collective) {
+    if (op.op_ != c10d::ReduceOp::SUM && op.op_ != c10d::ReduceOp::AVG) return {};
+    if (input.layout() != at::kStrided || out.layout() != at::kStrided || is_serving(this)) return {};
+    // Whoever holds the GIL here (a caller outside torch's collective bindings, which
+    // release it) must not keep it while waiting for the turn or for the peers.
+    std::optional<py::gil_scoped_release> nogil;
+    if (PyGILState_Check()) nogil.emplace();
+    std::lock_guard<std::mutex> turn(turn_);
+    const Fast* f = nullptr;
+    for (const Fast& candidate : fast_) {
+      if (candidate.device == input.device()) f = &candidate;
+    }
+    if (f == nullptr) return {};
+    const int64_t algo = collective == kAgreeOnly ? f->algo_for(static_cast<int64_t>(input.nbytes())) : collective;
+    if (algo < 0) return {};
+    std::exception_ptr error;
+    try {
+      if (!try_collective_eager(input, out, f->handle, algo, op.op_ == c10d::ReduceOp::AVG)) return {};
+    } catch (...) {
+      error = std::current_exception();  // raised by the Work's wait(), as torch's backends do
+    }
+    ++fast_calls_;
+    return issued(out, error);
+  }
+
+  void call_python(const char* pyname) {
+    py::gil_scoped_acquire gil;
+    if (py::function method = py::get_override(static_cast<const ServingBackend*>(this), pyname)) method();
+  }
+
+  const std::string name_;
+  std::mutex turn_;
+  std::vector<Fast> fast_;  // under turn_
+  int64_t fast_calls_ = 0;  // under turn_
+};
+
+}  // namespace
+
+void bind_backend(pybind11::module_& m) {
+  py::module_::import("torch.distributed");  // registers c10d.Backend, the base class below
+  py::class_<ServingBackend, c10d::Backend, c10::intrusive_ptr<ServingBackend>>(
+      m, "ServingBackend",
+      "Base class of pyallreduce.backend.PyallreduceBackend: serves eager single-tensor all_reduce, "
+      "reduce_scatter_tensor and all_gather_into_tensor in C++ on the Communicator that set_fast named")
+      .def(py::init<int, int, std::string>(), py::arg("rank"), py::arg("size"), py::arg("name"))
+      // torch keeps only the C++ object (intrusive_ptr); the Python subclass's methods
+      // live on while torch holds it once the object's PyObject slot names its Python
+      // object (as torch's trampoline does for the backends that split() returns).
+      .def("_keep_python_object",
+           [](py::object self) {
+             auto backend = self.cast<c10::intrusive_ptr<c10d::Backend>>();
+             Py_DECREF(torch::utils::PyObjectPreservation::get_or_init(
+                 *backend, [&] { return Py_NewRef(self.ptr()); }));
+           })
+      .def("_set_fast", &ServingBackend::set_fast, py::arg("device"), py::arg("handle"),
+           py::arg("two_shot_min_bytes"), py::arg("reference_min_bytes"))
+      .def("_clear_fast", &ServingBackend::clear_fast)
+      .def("_acquire_turn", &ServingBackend::acquire_turn)
+      .def("_release_turn", &ServingBackend::release_turn)
+      .def("_begin_serving", &ServingBackend::begin_serving)
+      .def("_end_serving", &ServingBackend::end_serving)
+      .def("_is_serving", &ServingBackend::serving)
+      .def_property_readonly("fast_calls", &ServingBackend::fast_calls,
+                             "how many calls the C++ fast path has served");
+}
+
+}  // namespace pyallreduce
