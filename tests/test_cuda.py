@@ -414,13 +414,17 @@ def check_uncapturable_fallback_says_why(rank, world):
         assert torch.equal(comm.all_reduce(y).cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
-def readme_capture_snippet():
-    """The README's GPU snippet (registered buffers and CUDA graphs), as written."""
+def readme_snippet(heading):
+    """The first Python block of the README's section `heading`, as written."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### On GPUs: registered buffers and CUDA graphs"):]
-    return section.split("```python", 1)[1].split("```", 1)[0]
+    return text[text.index(heading):].split("```python", 1)[1].split("```", 1)[0]
+
+
+def readme_capture_snippet():
+    """The README's GPU snippet (registered buffers and CUDA graphs)."""
+    return readme_snippet("### On GPUs: registered buffers and CUDA graphs")
 
 
 def check_readme_capture_snippet(rank, world):
@@ -441,6 +445,43 @@ def check_readme_capture_snippet(rank, world):
         assert torch.equal(names["y"].cpu(), exact_sum(numel, world, torch.float32, 5))
     finally:
         names["comm"].close()
+
+
+class ViewModel(torch.nn.Module):
+    """One CUDA parameter whose forward and backward are views: DDP's reducer,
+    bucket copies and the hook run, and no torch kernel (the emulation runs
+    none; on a GPU it is the same code path)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.weight = torch.nn.Parameter(on_gpu(exact_input(numel, 0, torch.float32, 11)))
+
+    def forward(self):
+        return self.weight.view(-1)
+
+
+def check_readme_ddp_snippet(rank, world):
+    """The README's DDP snippet as written, on a real DistributedDataParallel
+    (run_ranks' gloo group): each step's gradient is the average of the ranks'
+    exactly (DDP's default all-reduce's result), through the hook's GPU branch
+    on the communicator it made, each bucket registered for zero copy and the
+    one DDP replaced at its rebuild unregistered."""
+    torch.cuda.set_device(0)
+    numel = 3000
+    names = {"pyallreduce": pyallreduce, "torch": torch, "model": ViewModel(numel)}
+    exec(compile(readme_snippet("## DDP communication hook"), "README.md", "exec"), names)
+    model, state = names["model"], names["state"]
+    try:
+        for step in range(3):
+            out = model()
+            out.backward(on_gpu(exact_input(numel, rank, torch.float32, step)))
+            assert torch.equal(model.module.weight.grad.cpu(), exact_avg(numel, world, torch.float32, step)), step
+            model.module.weight.grad = None  # as zero_grad(set_to_none=True) does, with no kernel
+        assert state.calls >= 3 and state.reference_calls == 0, state
+        # DDP rebuilt its bucket after the first step: the old one was unregistered, one stays.
+        assert (state.registrations, state.unregistrations) == (2, 1), state
+    finally:
+        state.comm.close()
 
 
 # ---- reduce-scatter, all-gather, mismatches, streams, deadlines --------------------------
@@ -917,6 +958,10 @@ def test_readme_capture_snippet_runs_as_written():
     run_ranks(check_readme_capture_snippet, 2, timeout=RUN_TIMEOUT)
 
 
+def test_readme_ddp_snippet_runs_as_written():
+    run_ranks(check_readme_ddp_snippet, 2, timeout=RUN_TIMEOUT)
+
+
 def test_beside_another_threads_capture():
     run_ranks(check_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
 
@@ -970,7 +1015,52 @@ def test_uncapturable_fallback_says_why():
     run_ranks(check_uncapturable_fallback_says_why, 2, timeout=RUN_TIMEOUT)
 
 
+class LaunchRecorder:
+    """Stands for a Triton kernel (launcher(*args) or kernel[grid](*args)): records the launch."""
+
+    def __init__(self, name, launched):
+        self.name, self.launched = name, launched
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        self.launched.append(self.name)
+
+
+def check_triton_capture_makes_no_prohibited_call(rank, world):
+    """The review's bug 3, the host side of the Triton backend under a
+    torch.cuda.graph capture (global mode): its first call and an empty call
+    (whose agreement round is skipped inside a capture, as the C++ backends
+    skip it) make no call CUDA prohibits there (allocation, pinned allocation,
+    synchronous copy, stream synchronisation: the emulated runtime fails them
+    and invalidates the capture). The launches themselves are recorded, not
+    run: Triton launches through the CUDA driver, which the emulation does not
+    run."""
+    from unittest import mock
+
+    from pyallreduce import triton_kernels
+
+    torch.cuda.set_device(0)
+    launched = []
+    launchers = {algo: LaunchRecorder("all_reduce", launched) for algo in triton_kernels._LAUNCHERS}
+    with mock.patch.dict(triton_kernels._LAUNCHERS, launchers), \
+            mock.patch.object(triton_kernels.signal, "_agree_kernel", LaunchRecorder("agree", launched)), \
+            make_comm(backend="triton") as comm:
+        x, empty = on_gpu(exact_input(1000, rank, torch.float32, 1)), on_gpu(torch.empty(0))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.all_reduce_(x)  # the communicator's first call
+            comm.all_reduce_(empty)
+        assert launched == ["all_reduce"], launched
+
+
 TRITON_CHECKS = (check_eager, check_random_floats, check_back_to_back)
+
+
+def test_triton_capture_makes_no_prohibited_call():
+    pytest.importorskip("triton")
+    run_ranks(check_triton_capture_makes_no_prohibited_call, 2, timeout=RUN_TIMEOUT)
 
 
 @pytest.mark.parametrize("world", (2, 4))

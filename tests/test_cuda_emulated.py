@@ -66,9 +66,11 @@ def test_test_cuda_passes_on_the_emulated_runtime(emulated_env):
     # all-gather, mismatches, two streams, back to back) at 2, 4 and 8 ranks,
     # the deadline, the README snippet, the capture error, calls beside another
     # thread's capture, the torch.distributed backend on CUDA tensors,
-    # unregistering at once, the DDP hook, runtime failures and a kernel fault on
-    # one rank, a device other than the current one; only the Triton ones skipped.
-    assert passed >= 40, out[-3000:]
+    # unregistering at once, the DDP hook and the README's DDP snippet on a real
+    # DDP, runtime failures and a kernel fault on one rank, a device other than
+    # the current one, the Triton host side inside a capture; only the Triton
+    # launches skipped.
+    assert passed >= 42, out[-3000:]
     assert all("not emulated" in reason for reason in skips), out[-3000:]
 
 

@@ -28,7 +28,8 @@ from launch import COVERAGE_ENV  # noqa: E402
 
 ROOT = build_emulated.ROOT
 # The glue under measurement, and the object each is compiled into.
-GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "csrc/cuda/runtime.cpp": "runtime.o"}
+GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "csrc/cuda/runtime.cpp": "runtime.o",
+        "csrc/backend.cpp": "backend.o"}  # the last: the backend's C++ half (its CPU-only paths run in the CPU tests)
 # The Python of the GPU path (ddp.py and backend.py have CPU branches too, which the CPU suites run).
 PYTHON = ("pyallreduce/engines/cuda.py", "pyallreduce/transport/cuda_ipc.py", "pyallreduce/ddp.py",
           "pyallreduce/backend.py", "pyallreduce/communicator.py")
