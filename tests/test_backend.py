@@ -66,6 +66,8 @@ def _all_reduce(rank, world_size, backend, store_file):
         work = dist.all_reduce(x, async_op=True)
         assert work.wait()
         assert torch.equal(x, expected[dtype]), f"async sum {dtype}"
+        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert len(work.result()) == 1 and work.result()[0] is x
         future_value = work.get_future().wait()
         assert len(future_value) == 1 and torch.equal(future_value[0], x)
     comm = impl._comms[CPU]
@@ -97,9 +99,12 @@ def test_all_reduce_matches_gloo(tmp_path, backend):
 
 
 def _errors(rank, world_size, store_file):
-    reinit("pyallreduce", store_file)
+    impl = reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))  # makes the Communicator: the C++ fast path serves the next calls
     mismatched = torch.ones(16384 if rank == 0 else 1)  # the communicator's call descriptors differ
     work = dist.all_reduce(mismatched, async_op=True)  # returns; the error is the Work's
+    assert impl.fast_calls == 1
+    assert work.is_completed() and not work.is_success() and "ranks disagree" in str(work.exception())
     with pytest.raises(RuntimeError, match="ranks disagree"):
         work.wait()
     with pytest.raises(RuntimeError, match="ranks disagree"):

@@ -29,7 +29,7 @@ from launch import COVERAGE_ENV  # noqa: E402
 ROOT = build_emulated.ROOT
 # The glue under measurement, and the object each is compiled into.
 GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "csrc/cuda/runtime.cpp": "runtime.o",
-        "csrc/backend.cpp": "backend.o"}  # the last: the backend's C++ half (its CPU-only paths run in the CPU tests)
+        "csrc/backend.cpp": "backend.o"}  # the last: the torch.distributed backend's C++ half
 # The Python of the GPU path (ddp.py and backend.py have CPU branches too, which the CPU suites run).
 PYTHON = ("pyallreduce/engines/cuda.py", "pyallreduce/transport/cuda_ipc.py", "pyallreduce/ddp.py",
           "pyallreduce/backend.py", "pyallreduce/communicator.py")
@@ -47,7 +47,8 @@ def python_under_coverage(args, cwd, env):
 
 
 def run_tests(select=None):
-    """test_cuda.py on the emulation (gcov and coverage.py), then HOST_TESTS (coverage.py)."""
+    """test_cuda.py on the emulation (gcov and coverage.py), test_backend.py on the same
+    build (gcov of the backend's C++ half on CPU tensors), then HOST_TESTS (coverage.py)."""
     for gcda in build_emulated.objects(coverage=True).glob("*.gcda"):
         gcda.unlink()
     PY_DATA.parent.mkdir(parents=True, exist_ok=True)
@@ -55,12 +56,16 @@ def run_tests(select=None):
         old.unlink()
     # The pytest processes too, under coverage.py: they import the package (the
     # module-level lines) before the ranks fork.
+    env = {**os.environ, **build_emulated.build(coverage=True)}
     emulated = python_under_coverage([str(ROOT / "tests" / "test_cuda.py"), *(["-k", select] if select else [])],
-                                     build_emulated.OUT, {**os.environ, **build_emulated.build(coverage=True)})
+                                     build_emulated.OUT, env)
+    # FSDP2 and DTensor pick the (emulated) CUDA device when there is one, and run torch kernels on it.
+    backend = python_under_coverage([str(ROOT / "tests" / "test_backend.py"), "-k", "not fsdp2 and not dtensor"],
+                                    build_emulated.OUT, env)
     host = python_under_coverage([str(ROOT / t) for t in HOST_TESTS], ROOT, dict(os.environ))
-    summary = "; ".join(f"{what}: {(proc.stdout.strip().splitlines() or [''])[-1]}"
-                        for what, proc in (("emulated", emulated), ("host", host)))
-    return summary, emulated.returncode or host.returncode
+    runs = (("emulated", emulated), ("backend on the emulated build", backend), ("host", host))
+    summary = "; ".join(f"{what}: {(proc.stdout.strip().splitlines() or [''])[-1]}" for what, proc in runs)
+    return summary, max(proc.returncode for _, proc in runs)
 
 
 def measure_python():
