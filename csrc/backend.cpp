@@ -13,9 +13,10 @@
 // path may take is the Communicator's decision too: it hands over its context
 // with its crossover row (set_fast) only when its eager calls go direct.
 #include <torch/extension.h>
-#include <torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>  // PyWorkHolder
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pyobject_preservation.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <optional>
@@ -86,6 +87,35 @@ bool is_serving(const void* backend) {
   return false;
 }
 
+// The Work a Python method returned (the inner backend's, or backend.py's
+// CompletedWork), with its Python object held, every Work method forwarded to
+// it. (torch's PyWorkHolder forwards wait() and getFuture() only: is_completed(),
+// exception() or a recv from any source's source rank then fail or lie.)
+class HeldWork : public c10d::Work {
+ public:
+  explicit HeldWork(py::object work) : work_(work.cast<c10::intrusive_ptr<c10d::Work>>()), py_(std::move(work)) {}
+  ~HeldWork() override {
+    py::gil_scoped_acquire gil;  // to drop the Python object
+    py_ = py::object();
+  }
+
+  bool isCompleted() override { return work_->isCompleted(); }
+  bool isSuccess() const override { return work_->isSuccess(); }
+  std::exception_ptr exception() const override { return work_->exception(); }
+  int sourceRank() const override { return work_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return work_->result(); }
+  void synchronize() override { work_->synchronize(); }
+  bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
+  void blockCurrentStream() override { work_->blockCurrentStream(); }
+  void abort() override { work_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return work_->getFutureResult(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  py::object py_;
+};
+
 // The Python subclass's method `pyname` for the Backend method `name`, as
 // torch's trampoline (c10d::PyBackend) calls it. Not that trampoline itself:
 // its lookup matches the Python object's C++ type exactly, which here is
@@ -94,8 +124,10 @@ bool is_serving(const void* backend) {
   do {                                                                                             \
     py::gil_scoped_acquire gil;                                                                    \
     py::function method = py::get_override(static_cast<const ServingBackend*>(this), pyname);      \
-    if (method) return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(method(__VA_ARGS__)); \
-    return Backend::name(__VA_ARGS__);                                                             \
+    if (!method) return Backend::name(__VA_ARGS__);                                                \
+    py::object work = method(__VA_ARGS__);                                                         \
+    if (work.is_none()) return {};                                                                 \
+    return c10::make_intrusive<HeldWork>(std::move(work));                                         \
   } while (false)
 
 class ServingBackend : public c10d::Backend {
@@ -215,25 +247,41 @@ class ServingBackend : public c10d::Backend {
   }
   void clear_fast() { fast_.clear(); }  // caller holds the turn
 
-  // One served call at a time, in the order callers arrive (NCCL orders a
-  // process's collectives too); the GIL is released while waiting.
-  void acquire_turn() {
-    py::gil_scoped_release nogil;
-    turn_.lock();
-  }
-  void release_turn() { turn_.unlock(); }
-
-  void begin_serving() { serving_here.push_back(this); }
-  void end_serving() {
-    for (auto it = serving_here.rbegin(); it != serving_here.rend(); ++it) {
-      if (*it == this) {
-        serving_here.erase(std::next(it).base());
-        return;
+  // `with backend._scope(turn, serve):` for the Python subclass. turn: one served
+  // call at a time, in the order callers arrive (NCCL orders a process's
+  // collectives too); the GIL is released while waiting. serve: this thread is
+  // inside a Communicator call (serving_here). A context manager, not separate
+  // calls: a KeyboardInterrupt between taking the turn and a `try` would keep it
+  // taken for good, and `with` leaves no such gap.
+  class Scope {
+   public:
+    Scope(ServingBackend& backend, bool turn, bool serve) : backend_(backend), turn_(turn), serve_(serve) {}
+    void enter() {
+      if (turn_) {
+        py::gil_scoped_release nogil;
+        backend_.turn_.lock();
       }
+      if (serve_) serving_here.push_back(&backend_);
     }
-  }
+    void exit() {
+      if (serve_) {
+        for (auto it = serving_here.rbegin(); it != serving_here.rend(); ++it) {
+          if (*it == &backend_) {
+            serving_here.erase(std::next(it).base());
+            break;
+          }
+        }
+      }
+      if (turn_) backend_.turn_.unlock();
+    }
+
+   private:
+    ServingBackend& backend_;
+    const bool turn_, serve_;
+  };
+
   bool serving() const { return is_serving(this); }
-  int64_t fast_calls() const { return fast_calls_; }
+  int64_t fast_calls() const { return fast_calls_.load(std::memory_order_relaxed); }
 
  private:
   struct Fast {
@@ -272,7 +320,7 @@ class ServingBackend : public c10d::Backend {
     } catch (...) {
       error = std::current_exception();  // raised by the Work's wait(), as torch's backends do
     }
-    ++fast_calls_;
+    fast_calls_.fetch_add(1, std::memory_order_relaxed);
     return issued(out, error);
   }
 
@@ -284,13 +332,19 @@ class ServingBackend : public c10d::Backend {
   const std::string name_;
   std::mutex turn_;
   std::vector<Fast> fast_;  // under turn_
-  int64_t fast_calls_ = 0;  // under turn_
+  std::atomic<int64_t> fast_calls_{0};  // read without the turn
 };
 
 }  // namespace
 
 void bind_backend(pybind11::module_& m) {
   py::module_::import("torch.distributed");  // registers c10d.Backend, the base class below
+  py::class_<ServingBackend::Scope>(m, "_ServingScope")
+      .def("__enter__", [](ServingBackend::Scope& s) { s.enter(); })
+      .def("__exit__", [](ServingBackend::Scope& s, py::args) {
+        s.exit();
+        return false;
+      });
   py::class_<ServingBackend, c10d::Backend, c10::intrusive_ptr<ServingBackend>>(
       m, "ServingBackend",
       "Base class of pyallreduce.backend.PyallreduceBackend: serves eager single-tensor all_reduce, "
@@ -308,10 +362,8 @@ void bind_backend(pybind11::module_& m) {
       .def("_set_fast", &ServingBackend::set_fast, py::arg("device"), py::arg("handle"),
            py::arg("two_shot_min_bytes"), py::arg("reference_min_bytes"))
       .def("_clear_fast", &ServingBackend::clear_fast)
-      .def("_acquire_turn", &ServingBackend::acquire_turn)
-      .def("_release_turn", &ServingBackend::release_turn)
-      .def("_begin_serving", &ServingBackend::begin_serving)
-      .def("_end_serving", &ServingBackend::end_serving)
+      .def("_scope", [](ServingBackend& b, bool turn, bool serve) { return ServingBackend::Scope(b, turn, serve); },
+           py::arg("turn"), py::arg("serve"), py::keep_alive<0, 1>())
       .def("_is_serving", &ServingBackend::serving)
       .def_property_readonly("fast_calls", &ServingBackend::fast_calls,
                              "how many calls the C++ fast path has served");

@@ -39,7 +39,6 @@ there, in C++, without entering Python (torch's Python trampoline alone costs
 more than such a call); everything else comes to the methods below. The turn
 and the per-thread "serving" mark live in C++, where that fast path reads them.
 """
-import contextlib
 import datetime
 import functools
 
@@ -242,29 +241,16 @@ class PyallreduceBackend(_C.ServingBackend):
             return self._inner_call(name, why, *args)
         if result is None:
             result = tensors
-        self._acquire_turn()  # one served call at a time; other threads wait (GIL released)
-        self._begin_serving()
-        try:
-            run(self._comms.get(device) or self._communicator(device))
-        except Exception as e:
-            return CompletedWork(result, e)
-        finally:
-            self._end_serving()
-            self._release_turn()
+        with self._scope(turn=True, serve=True):  # one served call at a time; other threads wait
+            try:
+                run(self._comms.get(device) or self._communicator(device))
+            except Exception as e:
+                return CompletedWork(result, e)
         if not tensors[0].is_cuda:
             return CompletedWork(result)
         # Inside a CUDA graph capture the graph itself orders the captured work.
         return CompletedWork(result, None, None if torch.cuda.is_current_stream_capturing()
                              else torch.cuda.current_stream(device))
-
-    @contextlib.contextmanager
-    def _serve_here(self):
-        """Marks this thread as inside a Communicator call (see _serve)."""
-        self._begin_serving()
-        try:
-            yield
-        finally:
-            self._end_serving()
 
     def _communicator(self, device):
         """The Communicator for `device`, made at its first call; from then on the
@@ -321,8 +307,7 @@ class PyallreduceBackend(_C.ServingBackend):
     def _release(self):
         # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
-        self._acquire_turn()
-        try:
+        with self._scope(turn=True, serve=False):
             if self._closed:
                 return
             self._closed = True
@@ -334,14 +319,12 @@ class PyallreduceBackend(_C.ServingBackend):
                 # with the peers through this very group, which torch still routes
                 # here during destroy_process_group): serving, so that exchange
                 # goes to the inner backends, which close only after it.
-                with self._serve_here():
+                with self._scope(turn=False, serve=True):
                     for comm in comms:
                         comm.close()
             finally:
                 for inner in self._inner.values():
                     inner.shutdown()
-        finally:
-            self._release_turn()
 
 
 def _device_type(args):

@@ -412,9 +412,8 @@ def _second_thread(rank, world_size, store_file):
     dist.all_reduce(torch.ones(4))
     backend = dist.group.WORLD._get_backend(CPU)
     comm = backend._comms[CPU]
-    backend._acquire_turn()
-    backend._clear_fast()  # every call through Python (the fast path's turn: the next test)
-    backend._release_turn()
+    with backend._scope(turn=True, serve=False):
+        backend._clear_fast()  # every call through Python (the fast path's turn: the next test)
     started, inner_calls = threading.Event(), []
     real = comm.all_reduce_
 
@@ -480,6 +479,85 @@ def _second_thread_fast(rank, world_size, store_file):
     assert not t.is_alive() and errors == [], errors
     assert torch.equal(x, torch.full((5,), 3.0)) and torch.equal(y, torch.full((3,), 3.0))
     assert backend.fast_calls == fast_before + 2, "the calls did not take the C++ fast path"
+
+
+def _delegated(rank, world_size, store_file):
+    """Every collective the backend leaves to its inner gloo backend reaches it
+    through the C++ class's forwarding and comes back right: reduce, gather,
+    scatter, all_to_all (both forms), send/recv (and from any source: its Work's
+    source rank), a sparse all_reduce, all_gather_coalesced; the Work answers as
+    the inner backend's does."""
+    import warnings
+
+    reinit("pyallreduce", store_file)
+    w = world_size
+    x = torch.full((4,), float(rank + 1))
+    work = dist.reduce(x, dst=0, async_op=True)
+    assert work.wait() and work.is_completed() and work.is_success()  # the inner Work's answers
+    if rank == 0:
+        assert torch.equal(x, torch.full((4,), w * (w + 1) / 2))
+    gathered = [torch.empty(3) for _ in range(w)] if rank == 0 else None
+    dist.gather(torch.full((3,), float(rank)), gathered, dst=0)
+    if rank == 0:
+        assert all(torch.equal(g, torch.full((3,), float(q))) for q, g in enumerate(gathered))
+    got = torch.empty(2)
+    dist.scatter(got, [torch.full((2,), 10.0 + q) for q in range(w)] if rank == 0 else None, src=0)
+    assert torch.equal(got, torch.full((2,), 10.0 + rank))
+    out = torch.empty(w)
+    dist.all_to_all_single(out, torch.arange(w, dtype=torch.float32) + 100 * rank)
+    assert torch.equal(out, torch.tensor([100.0 * q + rank for q in range(w)]))
+    outs = [torch.empty(1) for _ in range(w)]
+    dist.all_to_all(outs, [torch.tensor([100.0 * rank + q]) for q in range(w)])
+    assert [o.item() for o in outs] == [100.0 * q + rank for q in range(w)]
+    t = torch.full((2,), float(rank))
+    if rank == 0:
+        for q in range(1, w):
+            dist.recv(t, src=q)
+            assert torch.equal(t, torch.full((2,), float(q)))
+            assert dist.recv(t) in range(1, w)  # from any source
+    else:
+        dist.send(t, dst=0)
+        dist.send(t, dst=0)
+    sparse = torch.sparse_coo_tensor([[rank]], [1.0], (w,))
+    dist.all_reduce(sparse)
+    assert torch.equal(sparse.to_dense(), torch.ones(w))
+    lists = [[torch.empty(2)] for _ in range(w)]  # per rank, one output per input
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # all_gather_coalesced is deprecated, still served
+        dist.all_gather_coalesced(lists, [torch.full((2,), float(rank))])
+    assert all(torch.equal(g[0], torch.full((2,), float(q))) for q, g in enumerate(lists))
+
+
+def test_collectives_left_to_the_inner_backend(tmp_path):
+    run_ranks(_delegated, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _interrupted(rank, world_size, store_file):
+    """A served call interrupted inside Python (KeyboardInterrupt, which _serve
+    does not turn into the Work's error) leaves the turn and this thread's
+    serving mark released: the next calls, fast and Python, run."""
+    backend = reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))
+    comm = backend._comms[CPU]
+    real = comm.all_reduce_
+
+    def interrupted(*args, **kwargs):
+        comm.all_reduce_ = real
+        raise KeyboardInterrupt
+
+    comm.all_reduce_ = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        dist.all_reduce(torch.ones(3, 2).t())  # not contiguous: the Python path
+    assert not backend._is_serving()
+    x = torch.full((5,), float(rank + 1))
+    dist.all_reduce(x)  # the fast path: would wait for the turn forever
+    y = torch.full((3, 2), float(rank + 1)).t()
+    dist.all_reduce(y)  # the Python path: would go to the inner backend if still marked serving
+    assert torch.equal(x, torch.full((5,), 3.0)) and torch.equal(y, torch.full((2, 3), 3.0))
+
+
+def test_an_interrupted_call_releases_the_turn(tmp_path):
+    run_ranks(_interrupted, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 
 
 def test_a_second_thread_waits_its_turn_in_the_fast_path(tmp_path):

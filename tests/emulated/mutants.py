@@ -71,7 +71,7 @@ MUTANTS = [
   check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
      "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
     ("destroy_process_group closes the CUDA communicator without serving (the review's bug 1)",
-     [("pyallreduce/backend.py", "                with self._serve_here():\n                    for comm in comms:",
+     [("pyallreduce/backend.py", "                with self._scope(turn=False, serve=True):\n                    for comm in comms:",
        "                if True:\n                    for comm in comms:")],
      "emulated", [TEST_CUDA, "-k", "backend_with_cuda_tensors"], {}),
     ("captured inputs released at close before the peers unmapped",
