@@ -9,17 +9,18 @@
 // against NCCL. Its three fast methods run the call on the group's
 // Communicator context through try_collective_eager (the Communicator's own
 // eager fast path) and return a finished Work; whatever that declines, and
-// every other method, goes to the Python subclass, where the decisions live. What the fast
-// path may take is the Communicator's decision too: it hands over its context
-// with its crossover row (set_fast) only when its eager calls go direct.
+// every other method, goes to the Python subclass, where the decisions live.
+// What the fast path may take is the Communicator's decision too: it hands over
+// its context with its crossover row (set_fast) only when its eager calls go
+// direct.
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pyobject_preservation.h>
 
 #include <atomic>
 #include <mutex>
-#include <string>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "backend.h"
