@@ -422,11 +422,6 @@ def readme_snippet(heading):
     return text[text.index(heading):].split("```python", 1)[1].split("```", 1)[0]
 
 
-def readme_capture_snippet():
-    """The README's GPU snippet (registered buffers and CUDA graphs)."""
-    return readme_snippet("### On GPUs: registered buffers and CUDA graphs")
-
-
 def check_readme_capture_snippet(rank, world):
     """The snippet runs as written (with its names defined first) and its
     replay reduces the input the graph captured."""
@@ -435,7 +430,7 @@ def check_readme_capture_snippet(rank, world):
     names = {"pyallreduce": pyallreduce, "torch": torch, "graph": torch.cuda.CUDAGraph(),
              "buf": on_gpu(exact_input(numel, rank, torch.float32, 1)),
              "x": on_gpu(exact_input(numel, rank, torch.float32, 2))}
-    exec(compile(readme_capture_snippet(), "README.md", "exec"), names)
+    exec(compile(readme_snippet("### On GPUs: registered buffers and CUDA graphs"), "README.md", "exec"), names)
     try:
         torch.cuda.synchronize()
         assert torch.equal(names["y"].cpu(), exact_sum(numel, world, torch.float32, 2))
