@@ -21,6 +21,13 @@ ROOT = Path(__file__).parent.resolve()
 # Hopper (H100/H200) is the target; Ampere runs the same kernels; PTX for the
 # newest arch lets later GPUs JIT it.
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+# The extension shares torch's libstdc++ (the shared one) rather than carrying a
+# copy of its own: a toolchain whose g++ finds only libstdc++.a links a second
+# copy into _C, whose exported iostream and locale symbols then mix with the
+# process's copy, and formatting a number in an error message segfaulted (every
+# rank, on the first GPU runs). Named before the driver's own -lstdc++, the
+# shared library satisfies every reference and the archive adds nothing.
+SHARED_LIBSTDCXX = ["-l:libstdc++.so.6"]
 
 
 def is_cuda_home(path):
@@ -72,7 +79,8 @@ def extensions():
     cxx = ["-O3", "-g1", "-std=c++20", "-ffp-contract=off", "-fvisibility=hidden"]
     sources = ["csrc/module.cpp", "csrc/backend.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp"]
     if not with_cuda:
-        return [CppExtension("pyallreduce._C", sources, extra_compile_args={"cxx": cxx}, libraries=["rt"])]
+        return [CppExtension("pyallreduce._C", sources, extra_compile_args={"cxx": cxx}, libraries=["rt"],
+                             extra_link_args=SHARED_LIBSTDCXX)]
     os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("PYALLREDUCE_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     nvcc = [
         "-O3",
@@ -91,6 +99,7 @@ def extensions():
             define_macros=[("PYALLREDUCE_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx + ["-DPYALLREDUCE_WITH_CUDA"], "nvcc": nvcc},
             libraries=["rt"],
+            extra_link_args=SHARED_LIBSTDCXX,
         )
     ]
 

@@ -4,8 +4,11 @@
 # tests/test_cuda.py (CUDA and Triton backends, several processes on one GPU).
 # Everything it prints and writes lands in $OUT. Each stage has its own cap so
 # one that hangs cannot eat the next one's time.
-#   BUILD_S, BENCH_S, TEST_S, DEBUG_S, BISECT_S: the caps in seconds (defaults below).
+#   BUILD_S, BENCH_S, TEST_S, DEBUG_S, BISECT_S: the caps in seconds (defaults below);
+#   TOTAL_S: the whole call's cap (a device call ends at 600 s): no stage runs past it.
 set -u
+deadline=$(( $(date +%s) + ${TOTAL_S:-570} ))
+cap() { local left=$(( deadline - $(date +%s) )); echo $(( $1 < left ? $1 : (left > 0 ? left : 1) )); }
 OUT=${OUT:-/tmp/pyallreduce-gpu-check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -18,17 +21,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export PYALLREDUCE_CUDA_ARCH_LIST=$cc MAX_JOBS=16 NVCC_THREADS=4
 start=$(date +%s)
-timeout "${BUILD_S:-300}" python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . >"$OUT/build.txt" 2>&1
+timeout "$(cap ${BUILD_S:-300})" python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . >"$OUT/build.txt" 2>&1
 echo "build rc $? in $(( $(date +%s) - start )) s"
 tail -20 "$OUT/build.txt"
-python3 -c "from pyallreduce import _C; print('WITH_CUDA', _C.WITH_CUDA)" || exit 1
+python3 -c "from pyallreduce import _C; print('WITH_CUDA', _C.WITH_CUDA)" || { grep -n -B2 -A8 "error" "$OUT/build.txt" | head -150; exit 1; }
 
 start=$(date +%s)
-timeout "${BENCH_S:-90}" python3 bench/loopback_cuda.py --world-sizes 2,4,8 --sizes 64K,256K,1M,4M,16M --out "$OUT"
+timeout "$(cap ${BENCH_S:-60})" python3 bench/loopback_cuda.py --world-sizes 2,4,8 --sizes 64K,256K,1M,4M,16M --out "$OUT"
 echo "bench rc $? in $(( $(date +%s) - start )) s"
 
 start=$(date +%s)
-timeout "${TEST_S:-300}" python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider --timeout 120 \
+timeout "$(cap ${TEST_S:-360})" python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider --timeout 120 \
     --junitxml="$OUT/test_cuda.xml"
 rc=$?
 echo "tests rc $rc in $(( $(date +%s) - start )) s"
@@ -42,7 +45,7 @@ m = re.search(r'name=\"test_on_one_gpu\[(check_\w+)-(\d+)\]\"[^>]*>\s*<failure',
 print(f'{m.group(1)} {m.group(2)}' if m else '')" "$OUT/test_cuda.xml")
   if [ -n "$failed" ]; then
     echo "debugging: $failed"
-    timeout "${DEBUG_S:-180}" python3 tests/gpu_debug.py $failed --timeout "${DEBUG_S:-180}" >"$OUT/debug.txt" 2>&1
+    d=$(cap ${DEBUG_S:-90}); timeout "$d" python3 tests/gpu_debug.py $failed --timeout "$d" >"$OUT/debug.txt" 2>&1
     tail -80 "$OUT/debug.txt"
   fi
   # check_eager crashed on the first GPU run (every rank, SIGSEGV, not reproduced
@@ -55,7 +58,7 @@ sys.exit(0 if re.search(r'name=\"test_on_one_gpu\[check_eager-2\]\"[^>]*>\s*<fai
     for variant in "PYALLREDUCE_TEST_EAGER_SKIP=misaligned" "PYALLREDUCE_TEST_EAGER_SKIP=chunked" \
                    "PYALLREDUCE_TEST_EAGER_SKIP=avg,in_place" "CUDA_LAUNCH_BLOCKING=1" "PYALLREDUCE_DEBUG=1"; do
       echo "check_eager-2 with $variant:" | tee -a "$OUT/bisect.txt"
-      env "$variant" timeout "${BISECT_S:-60}" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
+      env "$variant" timeout "$(cap ${BISECT_S:-30})" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
         -k "test_on_one_gpu and check_eager-2" 2>&1 | tail -3 | tee -a "$OUT/bisect.txt"
     done
   fi

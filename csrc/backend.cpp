@@ -13,6 +13,19 @@
 // What the fast path may take is the Communicator's decision too: it hands over
 // its context with its crossover row (set_fast) only when its eager calls go
 // direct.
+//
+// It needs torch 2.14's c10d::Backend (the *_single method names, torch's
+// PyObject slot on a Backend); with an older torch the module has no
+// ServingBackend and pyallreduce's import logs that the backend is missing
+// (the Communicator, the op and the DDP hook do not need it).
+#include <torch/version.h>
+
+#include "backend.h"
+
+#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14))
+#if !PYALLREDUCE_SERVING_BACKEND
+void pyallreduce::bind_backend(pybind11::module_&) {}
+#else
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pyobject_preservation.h>
@@ -23,7 +36,6 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
 #include "common/op_args.h"
 #include "common/protocol.h"
 #ifdef PYALLREDUCE_WITH_CUDA
@@ -371,3 +383,4 @@ void bind_backend(pybind11::module_& m) {
 }
 
 }  // namespace pyallreduce
+#endif  // PYALLREDUCE_SERVING_BACKEND
