@@ -6,6 +6,7 @@ processes time-slice there, so nothing here measures speed.
 
 Skipped without a GPU or without the CUDA kernels in the build.
 """
+import contextlib
 import hashlib
 import os
 import sys
@@ -629,6 +630,51 @@ def check_beside_another_threads_capture(rank, world):
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
+def check_close_after_captures_beside_another_threads_capture(rank, world):
+    """Once a graph holds this communicator's kernels, close() must wait for the
+    whole device (a replay may run on any stream), which CUDA refuses while
+    another thread captures (a real H100 returned
+    cudaErrorStreamCaptureUnsupported in relaxed mode): close raises on every
+    rank, saying why and what to do, and keeps the memory (parked) rather than
+    freeing it under a replay. Whether the other thread's capture survives the
+    refused wait is not documented; the emulation invalidates it."""
+    from pyallreduce.transport import cuda_ipc
+
+    torch.cuda.set_device(0)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 4))
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            comm.all_reduce_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    capturing, done = threading.Event(), threading.Event()
+
+    def capture_in_another_thread():
+        other, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with contextlib.suppress(RuntimeError), torch.cuda.stream(stream):
+            other.capture_begin()
+            capturing.set()
+            done.wait(RUN_TIMEOUT)
+            other.capture_end()
+
+    thread = threading.Thread(target=capture_in_another_thread)
+    thread.start()
+    parked_before = len(cuda_ipc._parked)
+    try:
+        assert capturing.wait(RUN_TIMEOUT)
+        with pytest.raises(RuntimeError, match=r"closing the communicator failed on rank 0: .*CUDA cannot wait "
+                                               r"for the whole device while one of its streams is being captured.*"
+                                               r"after that capture ends"):
+            comm.close()
+    finally:
+        done.set()
+        thread.join()
+    assert len(cuda_ipc._parked) == parked_before + 1, "the region stays allocated"
+    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 4))
+
+
 def check_backend_with_cuda_tensors(rank, world, store_file):
     """README's torch.distributed snippet with CUDA tensors, as written:
     dist.init_process_group("pyallreduce"), then all_reduce (sum, avg, and
@@ -790,9 +836,9 @@ def check_runtime_failures_on_one_rank(rank, world):
         assert peer_mappings() == regions, (peer_mappings(), regions)
         if not torch.equal(comm.all_reduce(buf).cpu(), exact_sum(5000, world, torch.float32, 1)):
             seen["after"] = "wrong"
-        # The device wait before unmapping fails: every rank raises, the buffer stays allocated.
+        # The wait for our kernels before unmapping fails: every rank raises, the buffer stays allocated.
         assert comm.register(buf)
-        inject_failure("cudaDeviceSynchronize" if last else None)
+        inject_failure("cudaEventSynchronize" if last else None)
         seen["unregister"] = outcome(lambda: comm.unregister(buf))
         inject_failure(None)
         # Unmapping a peer's region fails at close: every rank raises.
@@ -961,6 +1007,12 @@ def test_beside_another_threads_capture():
     run_ranks(check_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
 
 
+def test_close_after_captures_beside_another_threads_capture():
+    run_ranks(check_close_after_captures_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
+                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)

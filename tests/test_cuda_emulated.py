@@ -109,8 +109,8 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
     """tests/emulated/rules.cpp: each rule of the emulation (capture modes and
     what they prohibit, the legacy stream, the ending thread, isolation,
     replays, unrecorded events, event times, frees, IPC and its reference
-    counts, the legacy stream's capture query, kernels and other devices'
-    memory, sticky kernel faults, host access) against the return
+    counts, the legacy stream's capture query, no device sync beside a
+    capture, kernels and other devices' memory, sticky kernel faults, host access) against the return
     codes CUDA's Runtime API documents, through the runtime's C API alone."""
     exe = tmp_path / "rules"
     subprocess.run(["g++", "-std=c++20", "-O1", "-I", build_emulated.cuda_include(), str(BUILD.parent / "rules.cpp"),
@@ -120,7 +120,7 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
         proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYALLREDUCE_EMULATED_DELAY_US": delay})
         lines = proc.stdout.splitlines()
-        assert proc.returncode == 0 and len(lines) == 18 and all(line.startswith("ok ") for line in lines), \
+        assert proc.returncode == 0 and len(lines) == 19 and all(line.startswith("ok ") for line in lines), \
             f"delay {delay} us:\n{proc.stdout}{proc.stderr}"
 
 

@@ -79,7 +79,10 @@ class FakeGraphTable:
         self.calls, self.fail_set, self.fail_begin = calls, fail_set, fail_begin
         self.opened, self.entries, self.reset = False, None, None
 
-    def cuda_synchronize(self, device):
+    def cuda_launch_chain(self, handle):
+        return 0, True  # its calls were captured
+
+    def cuda_wait_for_launches(self, device, launched, captured):
         pass
 
     def cuda_graph_capture_begin(self, handle, block_entries):

@@ -149,7 +149,10 @@ class FakeCuda:
     def cuda_alloc_region(self, device, nbytes):
         return memory(self.rank, 0)
 
-    def cuda_synchronize(self, device):
+    def cuda_launch_chain(self, handle):
+        return 0, False  # nothing captured
+
+    def cuda_wait_for_launches(self, device, launched, captured):
         self.events.append(("sync",))
 
     def cuda_free_region(self, device, addr):
@@ -224,7 +227,7 @@ class FakeCudaTensor:
 
 def stubbed(fn):
     """Runs fn(rank, world, fake, cuda_ipc, *args) with _C's CUDA functions
-    replaced (a device synchronisation recorded as ("sync",))."""
+    replaced (a wait for the kernels recorded as ("sync",))."""
     @functools.wraps(fn)
     def run(rank, world, *args):
         from unittest import mock
@@ -257,7 +260,8 @@ def communicator_over(transport):
 def make_transport(cuda_ipc):
     import torch.distributed as dist
 
-    return cuda_ipc.CudaIpcTransport(dist.group.WORLD, 1024, "cuda:0")
+    return cuda_ipc.CudaIpcTransport(dist.group.WORLD, 1024, "cuda:0",
+                                     wait_until_unused=lambda: cuda_ipc._C.cuda_wait_for_launches(0, 0, False))
 
 
 @stubbed

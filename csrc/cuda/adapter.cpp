@@ -123,8 +123,11 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
   m.def("cuda_pci_bus_id", &pci_bus_id, py::arg("device"));
   m.def("cuda_device_by_pci_bus_id", &device_by_pci_bus_id, py::arg("bus_id"));
-  m.def("cuda_synchronize", &synchronize_device, py::arg("device"),
-        "waits for every stream of the device (legal beside another thread's capture)");
+  m.def("cuda_wait_for_launches", [](int device, int64_t launched, bool captured) {
+          wait_until_unused(device, reinterpret_cast<cudaEvent_t>(launched), captured);
+        }, py::arg("device"), py::arg("launched_event"), py::arg("captured"),
+        "waits until no kernel of a communicator may still run: the event its last eager launch recorded "
+        "(0: none), or every stream of the device once its kernels were captured");
   m.def("cuda_memcpy", [](int device, int64_t dst, int64_t src, int64_t nbytes) {
           memcpy_sync(device, dst, src, nbytes, current_stream(device));
         }, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("nbytes"));
@@ -135,6 +138,10 @@ void bind_cuda(py::module_& m) {
           std::shared_ptr<Context> ctx = cuda_context(handle);
           prepare(*ctx, current_stream(ctx->device));
         }, py::arg("handle"), "makes the communicator's status record and launch-order event (outside any capture)");
+  m.def("cuda_launch_chain", [](int64_t handle) {
+          const auto [launched, captured] = launch_chain(*cuda_context(handle));
+          return std::make_tuple(reinterpret_cast<int64_t>(launched), captured);
+        }, py::arg("handle"), "(the event of the last eager launch, whether a kernel was ever captured)");
   m.def("cuda_register_buffer", [](int64_t handle, int64_t ptr, int64_t nbytes, const std::vector<int64_t>& peers) {
           register_buffer(cuda_context(handle), ptr, nbytes, peers);
         }, py::arg("handle"), py::arg("ptr"), py::arg("nbytes"), py::arg("peer_ptrs"),

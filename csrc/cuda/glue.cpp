@@ -262,6 +262,7 @@ struct StatusRecord {
   char* own_region = nullptr;     // tells a record of a destroyed context whose address was reused
   LaunchOrder order;              // the last eager launch's stream (call_plan.h)
   cudaEvent_t launched = nullptr; // recorded after it
+  bool captured = false;          // a kernel was launched into a capture: its graph may replay on any stream
 };
 
 namespace {
@@ -287,6 +288,11 @@ StatusRecord& record_of(const Context& ctx) {
   return it->second;
 }
 
+std::pair<cudaEvent_t, bool> launch_chain(const Context& ctx) {
+  const StatusRecord& rec = record_of(ctx);
+  return {rec.launched, rec.captured};
+}
+
 namespace {
 
 // Launches one kernel of the communicator after its previous one, whatever
@@ -298,7 +304,11 @@ void launch_in_order(StatusRecord& rec, cudaStream_t stream, bool capturing, Lau
   }
   launch();
   check_cuda(cudaGetLastError(), "launching a kernel");
-  if (!capturing) check_cuda(cudaEventRecord(rec.launched, stream), "cudaEventRecord");
+  if (capturing) {
+    rec.captured = true;
+  } else {
+    check_cuda(cudaEventRecord(rec.launched, stream), "cudaEventRecord");
+  }
 }
 
 // Waits until no kernel of this communicator can still write its record: its

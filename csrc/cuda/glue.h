@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/context.h"
@@ -55,6 +56,10 @@ int64_t resident_blocks(int device, int64_t world_size);
 // looked up once per call by record_of and passed to each step below.
 struct StatusRecord;
 StatusRecord& record_of(const Context& ctx);
+// What runtime.h wait_until_unused needs of the communicator: the event its
+// last eager launch recorded (every earlier one ran before it) and whether a
+// kernel of it was ever launched into a capture.
+std::pair<cudaEvent_t, bool> launch_chain(const Context& ctx);
 
 // A call as the adapter describes it: this rank's buffers (the all-reduce's
 // 16-byte aligned: see plan_all_reduce), the payload (reduce-scatter and

@@ -42,9 +42,20 @@ cudaError_t wait_relaxed(cudaEvent_t event, cudaStream_t stream) {
   return err;
 }
 
-void synchronize_device(int device) {
+void wait_until_unused(int device, cudaEvent_t launched, bool captured) {
   DeviceScope scope(device);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (!captured) {
+    if (launched != nullptr) check_cuda(cudaEventSynchronize(launched), "waiting for the communicator's kernels");
+    return;
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaErrorStreamCaptureUnsupported) {
+    cudaGetLastError();
+    require(false, "a CUDA graph holding this communicator's kernels may be replaying on any stream, and CUDA "
+                   "cannot wait for the whole device while one of its streams is being captured (another "
+                   "thread's torch.cuda.graph?): do this after that capture ends");
+  }
+  check_cuda(err, "cudaDeviceSynchronize");
 }
 
 namespace {

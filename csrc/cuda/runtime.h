@@ -67,12 +67,19 @@ class DeviceScope {
 // In a RelaxedCaptureScope. Every wait of a call goes through here.
 cudaError_t wait_relaxed(cudaEvent_t event, cudaStream_t stream);
 
-// The device-wide wait of teardown and of changes to what captured kernels
-// read (unregister, graph entries, close): any stream may replay a graph of
-// ours, so every stream is waited for, on purpose. In a RelaxedCaptureScope
-// (DeviceScope), so that another thread's global-mode capture neither fails
-// this nor is invalidated by it; that capture's stream holds no work to wait for.
-void synchronize_device(int device);
+// The wait of teardown and of changes to what a communicator's kernels read
+// (unregister, graph entries, close): until no kernel of it may still run.
+// While none was ever captured, its eager kernels are all it has, and they all
+// run before `launched` (its launch chain's event; null: nothing launched
+// yet). Once one was captured, a graph holding it may replay on any stream, so
+// every stream of the device is waited for, on purpose. CUDA forbids that
+// device-wide wait while any stream of the device is being captured, in any
+// capture mode ("Prohibited and Unhandled Operations": synchronising "a device
+// or context handle" beside an active capture), so it then raises, saying
+// to do this after that capture ends. In a DeviceScope (relaxed mode), so that
+// another thread's global-mode capture neither fails the event wait nor is
+// invalidated by it.
+void wait_until_unused(int device, cudaEvent_t launched, bool captured);
 
 // ---- regions and legacy IPC (pyallreduce/transport/cuda_ipc.py) ----------------
 

@@ -124,12 +124,13 @@ def engine_class(backend: str):
     return TritonEngine
 
 
-def make_transport(group, max_bytes: int, device: torch.device) -> Transport:
-    """The regions of a communicator on `device`: CUDA IPC on a GPU, POSIX shared memory on CPU."""
+def make_transport(group, max_bytes: int, device: torch.device, wait_until_unused) -> Transport:
+    """The regions of a communicator on `device`: CUDA IPC on a GPU (which waits
+    with the engine's wait_until_unused before it frees), POSIX shared memory on CPU."""
     if device.type == "cuda":
         from ..transport.cuda_ipc import CudaIpcTransport
 
-        return CudaIpcTransport(group, max_bytes, device)
+        return CudaIpcTransport(group, max_bytes, device, wait_until_unused)
     from ..transport import HostShmTransport
 
     return HostShmTransport(group, max_bytes)

@@ -48,6 +48,18 @@ class CudaEngine(NativeEngine):
     def check(self):
         _C.check(self.handle)
 
+    _captured = False  # the context's capture mark, kept when close frees its record
+
+    def wait_until_unused(self):
+        """No kernel of this communicator may still run once this returns
+        (csrc/cuda/runtime.h wait_until_unused): its eager launches, or the
+        whole device once one was captured. Raises RuntimeError when CUDA
+        cannot wait now."""
+        launched = 0  # closing, the record gone: its eager kernels were waited for before
+        if self.handle is not None:
+            launched, self._captured = _C.cuda_launch_chain(self.handle)
+        _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
+
     # ---- registered buffers ----------------------------------------------------
 
     def register(self, tensor):
@@ -62,7 +74,7 @@ class CudaEngine(NativeEngine):
     def unregister(self, tensor):
         ptr, kept, error, found = tensor.data_ptr(), [], None, False
         try:
-            _C.cuda_synchronize(self.device.index)
+            self.wait_until_unused()
             found = _C.cuda_unregister_buffer(self.handle, ptr)
             kept, error = self.transport.unregister(ptr)
         except RuntimeError as e:
@@ -134,9 +146,9 @@ class CudaEngine(NativeEngine):
             return
         buffers = [(calls[k][1], calls[k][2]) for k in zero_copy]
         try:  # no kernel of ours may read an entry while it changes, on any rank
-            _C.cuda_synchronize(self.device.index)
+            self.wait_until_unused()
         except RuntimeError as e:  # the peers still take part in the exchange below
-            buffers = [f"synchronising the device failed: {e}"] * len(zero_copy)
+            buffers = [f"waiting for the communicator's kernels failed: {e}"] * len(zero_copy)
         try:
             shared = self.transport.share_buffers(buffers)
         except cuda_ipc.RegistrationError as e:  # raised on every rank alike
@@ -166,7 +178,7 @@ class CudaEngine(NativeEngine):
                 # inputs of zero-copy graph entries, which peers map, come back: the
                 # transport drops them with the registered buffers, after every rank
                 # has unmapped them (or never, without sync).
-                cuda_ipc.synchronize_quietly(self.device)
+                cuda_ipc.quietly(self.wait_until_unused)
                 self.transport.keep(_C.cuda_clear_buffers(self.handle))
         finally:
             super().close(sync)

@@ -25,12 +25,13 @@ def checked_nblocks(nblocks) -> int:
 
 class NativeEngine:
     name = "cpu"
+    handle: Optional[int] = None  # the C++ context, from construction to close
 
     def __init__(self, group, rank: int, device: torch.device, max_bytes: int, nblocks: int, timeout_s: float):
         self.device, self.max_bytes = device, max_bytes
-        self.transport = make_transport(group, max_bytes, device)
+        self.transport = make_transport(group, max_bytes, device, self.wait_until_unused)
         try:
-            self.handle: Optional[int] = _C.create_context(
+            self.handle = _C.create_context(
                 self.transport.regions, rank, max_bytes, nblocks, timeout_s,
                 device.index if device.index is not None else -1, self.transport.pids)
         except BaseException:
@@ -75,6 +76,9 @@ class NativeEngine:
 
     def check(self) -> None:
         pass  # host calls raise at once
+
+    def wait_until_unused(self) -> None:
+        pass  # a host call has finished when it returns
 
     def close(self, sync: bool) -> None:
         try:

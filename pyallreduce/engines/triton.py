@@ -28,10 +28,11 @@ class TritonEngine:
     def __init__(self, group, rank, device, max_bytes, nblocks, timeout_s):
         self.device, self.max_bytes, self.rank, self.nblocks, self.timeout_s = (
             device, max_bytes, rank, nblocks, timeout_s)
-        self.transport = make_transport(group, max_bytes, device)
+        self.transport = make_transport(group, max_bytes, device, self.wait_until_unused)
         self.world_size = self.transport.world_size
         self._broken_reason = None
         self._last_stream, self._launched = None, None  # the launch order on a GPU
+        self._captured = False  # a launch went into a CUDA graph, which may replay on any stream
         try:
             triton_kernels.prepare(self.transport.regions, device)
         except BaseException:
@@ -81,6 +82,15 @@ class TritonEngine:
     def check(self):
         pass  # a call raises what its kernel recorded
 
+    def wait_until_unused(self):
+        """No kernel of this communicator may still run once this returns
+        (csrc/cuda/runtime.h wait_until_unused): its eager launches, or the
+        whole device once one was captured. Raises RuntimeError when CUDA
+        cannot wait now."""
+        if self.device.type == "cuda":
+            launched = self._launched.cuda_event if self._launched is not None else 0
+            _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
+
     def close(self, sync):
         regions = list(self.transport.regions)  # close() empties them
         self.transport.close(sync=sync)
@@ -92,7 +102,9 @@ class TritonEngine:
                                f"({self._broken_reason}); close() it and create a new Communicator on every rank")
         # Captured launches are not chained, as in the CUDA engine.
         stream = None
-        if self.device.type == "cuda" and not stream_capturing(self.device):
+        if self.device.type == "cuda" and stream_capturing(self.device):
+            self._captured = True
+        elif self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             if self._last_stream is not None and self._last_stream != stream:
                 stream.wait_event(self._launched)

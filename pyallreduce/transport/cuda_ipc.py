@@ -25,9 +25,10 @@ logger = logging.getLogger("pyallreduce")
 # own region address or None, tensors).
 _parked = []
 PARKED_REASON = ("a communicator was closed without the other ranks (close(sync=False): an exception "
-                 "inside `with Communicator(...)`, garbage collection or process exit); its region and "
-                 "registered buffers stay allocated until the process exits, because peers may still map "
-                 "them. Call comm.close() on every rank to free them")
+                 "inside `with Communicator(...)`, garbage collection or process exit) or its close failed; "
+                 "its region and registered buffers stay allocated until the process exits, because peers "
+                 "(or its own kernels) may still use them. Call comm.close() on every rank, outside any "
+                 "other thread's CUDA graph capture, to free them")
 _parked_logged = False
 
 
@@ -44,11 +45,13 @@ def park(device_index, own, tensors):
         logger.warning("pyallreduce: %s", PARKED_REASON)
 
 
-def synchronize_quietly(device):
-    """Waits for the device's kernels, ignoring an unusable device (whose kernels
-    run no more). Bounded: every pyallreduce kernel ends at its deadline."""
+def quietly(wait):
+    """Runs wait(), ignoring its failure: an unusable device (whose kernels run
+    no more), or a wait CUDA cannot make now (beside another thread's capture),
+    where the caller keeps the memory anyway. Bounded: every pyallreduce
+    kernel ends at its deadline."""
     try:
-        _C.cuda_synchronize(device.index)
+        wait()
     except Exception:  # CUDA errors of a failed device come in several types
         pass
 
@@ -130,7 +133,10 @@ class CudaIpcTransport:
     collective close(), or never before the process exits after a local one.
     """
 
-    def __init__(self, group, max_bytes, device=None):
+    def __init__(self, group, max_bytes, device, wait_until_unused):
+        """wait_until_unused(): returns once no kernel of the communicator may
+        read or write its memory any more (its engine knows how), else raises
+        RuntimeError."""
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.max_bytes = max_bytes
@@ -139,6 +145,7 @@ class CudaIpcTransport:
         self.regions = []
         self.pids = []
         self._group = group
+        self._wait_until_unused = wait_until_unused
         self._opened = {}  # peer IPC handle -> [address mapped here, users]
         self._registered = {}  # data_ptr -> [(tensor, the peer handles it maps)]: peers read it in place
         self._kept = []  # other tensors peers map (graph entries' inputs): dropped like registered ones
@@ -336,9 +343,9 @@ class CudaIpcTransport:
             return
         error = None
         try:
-            _C.cuda_synchronize(self.device.index)
+            self._wait_until_unused()
         except RuntimeError as e:
-            error = f"synchronising the device failed: {e}"
+            error = f"waiting for the communicator's kernels failed: {e}"
         try:
             agree(error, self._group, "closing the communicator", RuntimeError)  # the first barrier
         except RuntimeError:
@@ -367,7 +374,7 @@ class CudaIpcTransport:
     def _close_locally(self):
         """close(sync=False): see there."""
         if self._own is not None or self._opened:
-            synchronize_quietly(self.device)
+            quietly(self._wait_until_unused)
         error = self._close_peers()
         own, self._own = self._own, None
         tensors = [t for entries in self._registered.values() for t, _ in entries] + self._kept

@@ -298,6 +298,7 @@ struct Capture {
   uint64_t id;
   cudaStreamCaptureMode mode;
   std::thread::id thread;  // that began it
+  int device;              // of its stream
   bool invalidated = false;
   std::vector<std::function<void()>> nodes;
 };
@@ -636,10 +637,27 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
   return cudaSuccess;
 }
 
+// Whether a stream of `device` is being captured, by any thread in any mode:
+// synchronising the device is then invalid whatever this thread's mode (CUDA
+// Programming Guide, "Prohibited and Unhandled Operations": "It is also invalid
+// to ... synchronize a broader handle which encompasses an active stream
+// capture, such as a device or context handle"; a real H100 returned
+// cudaErrorStreamCaptureUnsupported in relaxed mode). Whether the real driver
+// also invalidates that capture is not documented; here it does, the worse case.
+bool device_capture_conflicts(int device) {
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  bool conflict = false;
+  for (Capture* c : captures) {
+    if (c->device == device) c->invalidated = conflict = true;
+  }
+  if (conflict) note("a device synchronisation while a stream of the device captures: the capture is invalidated");
+  return conflict;
+}
+
 cudaError_t cudaDeviceSynchronize() {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
-  if (injected_failure("cudaDeviceSynchronize")) return fail(cudaErrorLaunchFailure);
+  if (device_capture_conflicts(current_device)) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize_device();
   return after_wait();
 }
@@ -983,6 +1001,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t handle) {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (handle == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  if (injected_failure("cudaEventSynchronize")) return fail(cudaErrorLaunchFailure);
   auto* e = reinterpret_cast<EmulatedEvent*>(handle);
   if (e->stream != nullptr) e->stream->wait_for(e->ticket);
   return after_wait();
@@ -1090,7 +1109,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t handle, cudaStreamCaptureMode mo
   // "cudaStreamBeginCapture ... may not be called on the legacy stream".
   if (s == legacy_stream()) return fail(cudaErrorStreamCaptureUnsupported);
   if (s->capture != nullptr) return fail(cudaErrorIllegalState);
-  s->capture = new Capture{next_capture_id++, mode, std::this_thread::get_id()};
+  s->capture = new Capture{next_capture_id++, mode, std::this_thread::get_id(), s->device};
   captures.push_back(s->capture);
   return cudaSuccess;
 }

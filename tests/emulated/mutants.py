@@ -65,10 +65,13 @@ MUTANTS = [
   DeviceScope scope(device);''', '''GraphBlock allocate_block(int device, int64_t n, cudaStream_t stream) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
      "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
-    ("close()'s device-wide wait in global capture mode beside another thread's capture",
-     [("csrc/cuda/runtime.cpp", '''void synchronize_device(int device) {
-  DeviceScope scope(device);''', '''void synchronize_device(int device) {
+    ("close()'s wait in global capture mode beside another thread's capture",
+     [("csrc/cuda/runtime.cpp", '''void wait_until_unused(int device, cudaEvent_t launched, bool captured) {
+  DeviceScope scope(device);''', '''void wait_until_unused(int device, cudaEvent_t launched, bool captured) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");''')],
+     "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
+    ("close() waits for the whole device though none of its kernels was captured (a real H100 refused it)",
+     [("csrc/cuda/runtime.cpp", "  if (!captured) {\n    if (launched",  "  if (false) {\n    if (launched")],
      "emulated", [TEST_CUDA, "-k", "beside_another_threads_capture"], {}),
     ("destroy_process_group closes the CUDA communicator without serving (the review's bug 1)",
      [("pyallreduce/backend.py", "                with self._scope(turn=False, serve=True):\n                    for comm in comms:",
@@ -79,7 +82,7 @@ MUTANTS = [
        "                _C.cuda_clear_buffers(self.handle)")],
      "host", [str(ROOT / "tests" / "test_lifetimes.py"), "-k", "keeps_captured_inputs"], {}),
     ("a peer's mapping closed before its last kernel (unregister without the device wait)",
-     [("pyallreduce/engines/cuda.py", "            _C.cuda_synchronize(self.device.index)\n"
+     [("pyallreduce/engines/cuda.py", "            self.wait_until_unused()\n"
        "            found = _C.cuda_unregister_buffer(self.handle, ptr)",
        "            found = _C.cuda_unregister_buffer(self.handle, ptr)")],
      "emulated", [TEST_CUDA, "-k", "unregister_right_after_calls"], LATE),

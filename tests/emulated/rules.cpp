@@ -212,6 +212,34 @@ std::string no_sync_of_a_capturing_stream() {
   return why;
 }
 
+// Synchronising the device while one of its streams is being captured is
+// invalid in any mode ("Prohibited and Unhandled Operations": "synchronize a
+// broader handle which encompasses an active stream capture, such as a device
+// or context handle"): relaxed mode on this thread does not make it legal, and
+// another device's capture does not matter.
+std::string no_device_sync_beside_a_capture() {
+  cudaSetDevice(0);
+  cudaStream_t s = new_stream();
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  cudaError_t relaxed = cudaSuccess, other_device = cudaErrorUnknown;
+  std::thread other([&] {
+    cudaSetDevice(0);
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    relaxed = cudaDeviceSynchronize();
+    cudaGetLastError();
+    cudaSetDevice(1);
+    other_device = cudaDeviceSynchronize();
+    cudaThreadExchangeStreamCaptureMode(&mode);
+  });
+  other.join();
+  std::string why = expect(relaxed, cudaErrorStreamCaptureUnsupported, "cudaDeviceSynchronize (relaxed mode)");
+  if (why.empty()) why = expect(other_device, cudaSuccess, "cudaDeviceSynchronize of another device");
+  end_capture(s);
+  cudaStreamDestroy(s);
+  return why;
+}
+
 // cudaGraphLaunch: the captured work runs at every launch, with the arguments
 // it was captured with.
 std::string captured_work_replays() {
@@ -455,6 +483,7 @@ int main() {
       {"a_global_capture_ends_on_its_own_thread", a_global_capture_ends_on_its_own_thread},
       {"no_wait_on_an_event_recorded_outside_the_capture", no_wait_on_an_event_recorded_outside_the_capture},
       {"no_sync_of_a_capturing_stream", no_sync_of_a_capturing_stream},
+      {"no_device_sync_beside_a_capture", no_device_sync_beside_a_capture},
       {"captured_work_replays", captured_work_replays},
       {"an_unrecorded_event_is_complete", an_unrecorded_event_is_complete},
       {"free_of_an_interior_pointer_fails_and_the_error_clears", free_of_an_interior_pointer_fails_and_the_error_clears},
