@@ -29,6 +29,7 @@ namespace pyallreduce {
 namespace {
 std::mutex registry_mutex;
 std::map<int64_t, std::shared_ptr<Context>> registry;
+std::vector<std::shared_ptr<Context>> kept_alive;  // destroy_context(keep_alive): never freed
 int64_t next_handle = 1;
 }  // namespace
 
@@ -39,7 +40,7 @@ int64_t register_context(std::unique_ptr<Context> ctx) {
   return handle;
 }
 
-void destroy_context(int64_t handle) {
+void destroy_context(int64_t handle, bool keep_alive) {
   std::shared_ptr<Context> ctx;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -47,6 +48,7 @@ void destroy_context(int64_t handle) {
     if (it == registry.end()) return;
     ctx = it->second;
     registry.erase(it);
+    if (keep_alive) kept_alive.push_back(ctx);
   }
   // Wait for a collective still running in another thread before the caller unmaps.
   std::lock_guard<std::mutex> wait(ctx->in_flight);
@@ -400,7 +402,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"));
-  m.def("destroy_context", &destroy_context, py::arg("handle"));
+  m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false);
   // The GIL is released while the ranks wait for each other, as torch.ops calls do.
   m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),

@@ -635,9 +635,11 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     whole device (a replay may run on any stream), which CUDA refuses while
     another thread captures (a real H100 returned
     cudaErrorStreamCaptureUnsupported in relaxed mode): close raises on every
-    rank, saying why and what to do, and keeps the memory (parked) rather than
-    freeing it under a replay. Whether the other thread's capture survives the
-    refused wait is not documented; the emulation invalidates it."""
+    rank, saying why and what to do, and keeps everything a replay uses (its
+    region, the peers' mappings, the status record and graph table) rather
+    than freeing it under one: the graph still replays right after. Whether the
+    other thread's capture survives the refused wait is not documented; the
+    emulation invalidates it."""
     from pyallreduce.transport import cuda_ipc
 
     torch.cuda.set_device(0)
@@ -646,7 +648,7 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     graph = torch.cuda.CUDAGraph()
     with comm.capture():
         with torch.cuda.graph(graph):
-            comm.all_reduce_(x)
+            out = comm.all_reduce(x, algo="two_shot")  # out of place: reads x in place through its graph entry
     graph.replay()
     torch.cuda.synchronize()
     capturing, done = threading.Event(), threading.Event()
@@ -661,7 +663,7 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
 
     thread = threading.Thread(target=capture_in_another_thread)
     thread.start()
-    parked_before = len(cuda_ipc._parked)
+    parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
     try:
         assert capturing.wait(RUN_TIMEOUT)
         with pytest.raises(RuntimeError, match=r"closing the communicator failed on rank 0: .*CUDA cannot wait "
@@ -672,7 +674,12 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
         done.set()
         thread.join()
     assert len(cuda_ipc._parked) == parked_before + 1, "the region stays allocated"
-    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 4))
+    assert peer_mappings() == mapped, "the peers stay mapped"
+    assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
+    out.copy_(torch.zeros(1000))  # a host copy: the emulation runs no torch kernel
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
 
 
 def check_backend_with_cuda_tensors(rank, world, store_file):

@@ -197,7 +197,7 @@ class FakeCuda:
         returned, self.clear_returns = self.clear_returns, []  # the C++ table's references go to the caller
         return returned
 
-    def destroy_context(self, handle):
+    def destroy_context(self, handle, keep_alive=False):
         self.events.append(("destroy",))
 
     def closed(self):

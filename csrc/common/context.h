@@ -70,7 +70,11 @@ bool calls_agree(const CallDesc& mine, const CallDesc* descs, int world_size);
 
 // Registry of live contexts, indexed by handle.
 int64_t register_context(std::unique_ptr<Context> ctx);
-void destroy_context(int64_t handle);
+// keep_alive: the context's kernels may still run (a graph replay its close
+// could not wait for), so the context, and with it the CUDA glue's state keyed
+// by its address (status record, graph table), stays allocated until the
+// process exits, and no new context takes its address.
+void destroy_context(int64_t handle, bool keep_alive = false);
 std::shared_ptr<Context> get_context(int64_t handle);
 
 // Holds ctx.in_flight for one collective and refuses a broken or busy context.

@@ -302,13 +302,12 @@ void launch_in_order(StatusRecord& rec, cudaStream_t stream, bool capturing, Lau
   if (order_launch(rec.order, stream, capturing)) {
     check_cuda(cudaStreamWaitEvent(stream, rec.launched, 0), "cudaStreamWaitEvent");
   }
+  rec.captured |= capturing;  // first: a launch that raises below may still be in the graph
   launch();
-  check_cuda(cudaGetLastError(), "launching a kernel");
-  if (capturing) {
-    rec.captured = true;
-  } else {
-    check_cuda(cudaEventRecord(rec.launched, stream), "cudaEventRecord");
-  }
+  // The event follows whatever was enqueued, also when an earlier error is reported now.
+  const cudaError_t launch_error = cudaGetLastError();
+  if (!capturing) check_cuda(cudaEventRecord(rec.launched, stream), "cudaEventRecord");
+  check_cuda(launch_error, "launching a kernel");
 }
 
 // Waits until no kernel of this communicator can still write its record: its

@@ -55,6 +55,8 @@ class CudaEngine(NativeEngine):
         (csrc/cuda/runtime.h wait_until_unused): its eager launches, or the
         whole device once one was captured. Raises RuntimeError when CUDA
         cannot wait now."""
+        if self.handle is None and self.unwaited is not None:
+            raise RuntimeError(self.unwaited)
         launched = 0  # closing, the record gone: its eager kernels were waited for before
         if self.handle is not None:
             launched, self._captured = _C.cuda_launch_chain(self.handle)
@@ -174,12 +176,18 @@ class CudaEngine(NativeEngine):
     def close(self, sync):
         try:
             if self.handle is not None:
-                # No kernel of ours may read the graph table while it is freed. The
-                # inputs of zero-copy graph entries, which peers map, come back: the
-                # transport drops them with the registered buffers, after every rank
-                # has unmapped them (or never, without sync).
-                cuda_ipc.quietly(self.wait_until_unused)
-                self.transport.keep(_C.cuda_clear_buffers(self.handle))
+                # No kernel of ours may read the graph table or the status record
+                # while they are freed; if that cannot be known (a replay beside
+                # another thread's capture, an unusable device), they stay, with the
+                # context. The inputs of zero-copy graph entries, which peers map,
+                # come back: the transport drops them with the registered buffers,
+                # after every rank has unmapped them (or never, without sync).
+                try:
+                    self.wait_until_unused()
+                except Exception as e:  # CUDA errors of a failed device come in several types
+                    self.unwaited = str(e)
+                else:
+                    self.transport.keep(_C.cuda_clear_buffers(self.handle))
         finally:
             super().close(sync)
 

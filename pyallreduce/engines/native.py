@@ -26,6 +26,9 @@ def checked_nblocks(nblocks) -> int:
 class NativeEngine:
     name = "cpu"
     handle: Optional[int] = None  # the C++ context, from construction to close
+    # Why close could not wait for the kernels (None: it did, or had none): then
+    # everything they may still use stays allocated until the process exits.
+    unwaited: Optional[str] = None
 
     def __init__(self, group, rank: int, device: torch.device, max_bytes: int, nblocks: int, timeout_s: float):
         self.device, self.max_bytes = device, max_bytes
@@ -88,7 +91,7 @@ class NativeEngine:
 
     def _destroy_context(self):
         if self.handle is not None:
-            _C.destroy_context(self.handle)
+            _C.destroy_context(self.handle, keep_alive=self.unwaited is not None)
             self.handle = None
 
     def _close_transport(self, sync):

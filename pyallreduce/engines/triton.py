@@ -93,8 +93,14 @@ class TritonEngine:
 
     def close(self, sync):
         regions = list(self.transport.regions)  # close() empties them
+        try:
+            self.wait_until_unused()
+            waited = True
+        except Exception:  # the transport's close raises it or parks: so do the kernels' tables
+            waited = False
         self.transport.close(sync=sync)
-        triton_kernels.release(regions, self.device)  # its kernels have finished (the close waited)
+        if waited:
+            triton_kernels.release(regions, self.device)
 
     def _launch(self, fn, *args, **kwargs):
         if self._broken_reason is not None:

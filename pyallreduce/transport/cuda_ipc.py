@@ -45,17 +45,6 @@ def park(device_index, own, tensors):
         logger.warning("pyallreduce: %s", PARKED_REASON)
 
 
-def quietly(wait):
-    """Runs wait(), ignoring its failure: an unusable device (whose kernels run
-    no more), or a wait CUDA cannot make now (beside another thread's capture),
-    where the caller keeps the memory anyway. Bounded: every pyallreduce
-    kernel ends at its deadline."""
-    try:
-        wait()
-    except Exception:  # CUDA errors of a failed device come in several types
-        pass
-
-
 # The CUDA kernels access every buffer in 16-byte vectors (kVecBytes in
 # csrc/cuda/all_reduce.cuh; the C++ side checks it again). Allocation bases are
 # far more aligned than that, so a buffer's offset in its allocation tells.
@@ -336,7 +325,9 @@ class CudaIpcTransport:
         kernels (bounded by their deadline), unmaps the peers, and keeps the
         own region and the tensors allocated until the process exits (module
         list `_parked`, one log line), since peers' kernels may still write
-        flags into the region and peers may still map it all.
+        flags into the region and peers may still map it all. If the wait
+        fails (a graph replay it cannot wait for beside another thread's
+        capture, an unusable device), the peers stay mapped too.
         """
         if not (sync and self._own is not None and dist.is_initialized()):
             self._close_locally()
@@ -373,8 +364,11 @@ class CudaIpcTransport:
 
     def _close_locally(self):
         """close(sync=False): see there."""
-        if self._own is not None or self._opened:
-            quietly(self._wait_until_unused)
+        try:
+            if self._own is not None or self._opened:
+                self._wait_until_unused()
+        except Exception:  # CUDA errors of a failed device come in several types
+            self._opened, self.regions = {}, []  # our kernels may still read them: they stay mapped
         error = self._close_peers()
         own, self._own = self._own, None
         tensors = [t for entries in self._registered.values() for t, _ in entries] + self._kept
