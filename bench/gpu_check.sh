@@ -25,6 +25,8 @@ timeout "$(cap ${BUILD_S:-300})" python3 -m pip install -q --no-build-isolation 
 echo "build rc $? in $(( $(date +%s) - start )) s"
 tail -20 "$OUT/build.txt"
 python3 -c "from pyallreduce import _C; print('WITH_CUDA', _C.WITH_CUDA)" || { grep -n -B2 -A8 "error" "$OUT/build.txt" | head -150; exit 1; }
+# The image's g++ finds only libstdc++.a: the extension must still share the process's libstdc++.
+python3 -m pytest tests/test_cpu_build.py -q -p no:cacheprovider -k libstdcxx 2>&1 | tail -3
 
 start=$(date +%s)
 timeout "$(cap ${BENCH_S:-60})" python3 bench/loopback_cuda.py --world-sizes 2,4,8 --sizes 64K,256K,1M,4M,16M --out "$OUT"
