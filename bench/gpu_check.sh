@@ -4,7 +4,7 @@
 # tests/test_cuda.py (CUDA and Triton backends, several processes on one GPU).
 # Everything it prints and writes lands in $OUT. Each stage has its own cap so
 # one that hangs cannot eat the next one's time.
-#   BUILD_S, BENCH_S, TEST_S, DEBUG_S, BISECT_S: the caps in seconds (defaults below);
+#   BUILD_S, BENCH_S, TEST_S, DEBUG_S: the caps in seconds (defaults below);
 #   TOTAL_S: the whole call's cap (a device call ends at 600 s): no stage runs past it.
 set -u
 deadline=$(( $(date +%s) + ${TOTAL_S:-570} ))
@@ -49,20 +49,6 @@ print(f'{m.group(1)} {m.group(2)}' if m else '')" "$OUT/test_cuda.xml")
     echo "debugging: $failed"
     d=$(cap ${DEBUG_S:-90}); timeout "$d" python3 tests/gpu_debug.py $failed --timeout "$d" >"$OUT/debug.txt" 2>&1
     tail -80 "$OUT/debug.txt"
-  fi
-  # check_eager crashed on the first GPU run (every rank, SIGSEGV, not reproduced
-  # on the emulation): the same check with one part left out at a time, with
-  # synchronous launches, and through the op (PYALLREDUCE_DEBUG), at 2 ranks.
-  if python3 -c "
-import re, sys
-sys.exit(0 if re.search(r'name=\"test_on_one_gpu\[check_eager-2\]\"[^>]*>\s*<failure', open(sys.argv[1]).read()) else 1)
-" "$OUT/test_cuda.xml"; then
-    for variant in "PYALLREDUCE_TEST_EAGER_SKIP=misaligned" "PYALLREDUCE_TEST_EAGER_SKIP=chunked" \
-                   "PYALLREDUCE_TEST_EAGER_SKIP=avg,in_place" "CUDA_LAUNCH_BLOCKING=1" "PYALLREDUCE_DEBUG=1"; do
-      echo "check_eager-2 with $variant:" | tee -a "$OUT/bisect.txt"
-      env "$variant" timeout "$(cap ${BISECT_S:-30})" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
-        -k "test_on_one_gpu and check_eager-2" 2>&1 | tail -3 | tee -a "$OUT/bisect.txt"
-    done
   fi
 fi
 date -u

@@ -133,14 +133,9 @@ def trace(rank, *what):
 def check_eager(rank, world):
     torch.cuda.set_device(0)
     failures = []
-    # PYALLREDUCE_TEST_EAGER_SKIP (comma list: chunked, avg, in_place, misaligned)
-    # leaves parts out, for bench/gpu_check.sh to bisect a crash on a GPU.
-    skip = set(filter(None, os.environ.get("PYALLREDUCE_TEST_EAGER_SKIP", "").split(",")))
     with make_comm() as comm:
         for dtype in DTYPES:
             for numel in sizes_for(dtype):
-                if "chunked" in skip and numel * torch.empty((), dtype=dtype).element_size() > MAX_BYTES:
-                    continue
                 for algo in ALGOS:
                     salt = numel % 97
                     want_sum = exact_sum(numel, world, dtype, salt)
@@ -151,29 +146,26 @@ def check_eager(rank, world):
                     if not torch.equal(got.cpu(), want_sum):
                         failures.append(("sum", dtype, numel, algo))
 
-                    if "avg" not in skip:
-                        trace(rank, dtype, numel, algo, "avg")
-                        got = comm.all_reduce(on_gpu(exact_input(numel, rank, dtype, salt)), op="avg", algo=algo)
-                        if not torch.equal(got.cpu(), exact_avg(numel, world, dtype, salt)):
-                            failures.append(("avg", dtype, numel, algo))
+                    trace(rank, dtype, numel, algo, "avg")
+                    got = comm.all_reduce(on_gpu(exact_input(numel, rank, dtype, salt)), op="avg", algo=algo)
+                    if not torch.equal(got.cpu(), exact_avg(numel, world, dtype, salt)):
+                        failures.append(("avg", dtype, numel, algo))
 
-                    if "in_place" not in skip:
-                        y = on_gpu(exact_input(numel, rank, dtype, salt))
-                        trace(rank, dtype, numel, algo, "in place")
-                        comm.all_reduce_(y, algo=algo)
-                        if not torch.equal(y.cpu(), want_sum):
-                            failures.append(("in-place", dtype, numel, algo))
+                    y = on_gpu(exact_input(numel, rank, dtype, salt))
+                    trace(rank, dtype, numel, algo, "in place")
+                    comm.all_reduce_(y, algo=algo)
+                    if not torch.equal(y.cpu(), want_sum):
+                        failures.append(("in-place", dtype, numel, algo))
 
-                    if "misaligned" not in skip:
-                        # Views one element off 16-byte alignment take the aligned-copy path.
-                        base = on_gpu(torch.full((numel + 1,), 55, dtype=dtype))
-                        view = base[1:]
-                        view.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
-                        out = on_gpu(torch.full((numel + 1,), 66, dtype=dtype))[1:]
-                        trace(rank, dtype, numel, algo, "misaligned")
-                        comm.all_reduce(view, algo=algo, out=out)
-                        if not torch.equal(out.cpu(), want_sum) or base[0].item() != 55:
-                            failures.append(("misaligned", dtype, numel, algo))
+                    # Views one element off 16-byte alignment take the aligned-copy path.
+                    base = on_gpu(torch.full((numel + 1,), 55, dtype=dtype))
+                    view = base[1:]
+                    view.copy_(on_gpu(exact_input(numel, rank, dtype, salt)))
+                    out = on_gpu(torch.full((numel + 1,), 66, dtype=dtype))[1:]
+                    trace(rank, dtype, numel, algo, "misaligned")
+                    comm.all_reduce(view, algo=algo, out=out)
+                    if not torch.equal(out.cpu(), want_sum) or base[0].item() != 55:
+                        failures.append(("misaligned", dtype, numel, algo))
     assert not failures, f"rank {rank}: wrong results for {failures[:10]} ({len(failures)} in all)"
 
 
