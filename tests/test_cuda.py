@@ -579,6 +579,35 @@ def check_deadline_names_the_missing_rank(rank, world):
         comm.close()
 
 
+@contextlib.contextmanager
+def another_threads_capture():
+    """Another thread captures a CUDA graph on its own stream in global mode
+    (torch.cuda.graph's default) for the duration; yields the list of what that
+    capture raised, complete once the block is left."""
+    capturing, done, errors = threading.Event(), threading.Event(), []
+
+    def capture():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin()
+                capturing.set()
+                done.wait(RUN_TIMEOUT)
+                graph.capture_end()
+        except Exception as e:  # noqa: BLE001 (the caller decides)
+            errors.append(e)
+        capturing.set()
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert capturing.wait(RUN_TIMEOUT)
+        yield errors
+    finally:
+        done.set()
+        thread.join()
+
+
 def check_beside_another_threads_capture(rank, world):
     """Another thread of the process captures a CUDA graph in global mode
     (torch.cuda.graph's default) while this one makes collective calls, checks,
@@ -589,24 +618,7 @@ def check_beside_another_threads_capture(rank, world):
     torch.cuda.set_device(0)
     comm = make_comm()
     x = on_gpu(exact_input(1000, rank, torch.float32, 3))
-    capturing, done, errors = threading.Event(), threading.Event(), []
-
-    def capture_in_another_thread():
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin()
-                capturing.set()
-                done.wait(RUN_TIMEOUT)
-                graph.capture_end()
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-        capturing.set()
-
-    thread = threading.Thread(target=capture_in_another_thread)
-    thread.start()
-    try:
-        assert capturing.wait(RUN_TIMEOUT)
+    with another_threads_capture() as errors:
         comm.all_reduce_(x)
         comm.check()  # waits for our kernels
         with pytest.raises(RuntimeError, match="disagree"):  # raised once our kernels are done
@@ -615,9 +627,6 @@ def check_beside_another_threads_capture(rank, world):
         with comm.capture():  # the graph table: an allocation, a zeroing, a wait
             pass
         comm.close()  # frees, unmaps
-    finally:
-        done.set()
-        thread.join()
     assert not errors, f"the other thread's capture failed: {errors[0]}"
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 3))
 
@@ -643,28 +652,12 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
             out = comm.all_reduce(x, algo="two_shot")  # out of place: reads x in place through its graph entry
     graph.replay()
     torch.cuda.synchronize()
-    capturing, done = threading.Event(), threading.Event()
-
-    def capture_in_another_thread():
-        other, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with contextlib.suppress(RuntimeError), torch.cuda.stream(stream):
-            other.capture_begin()
-            capturing.set()
-            done.wait(RUN_TIMEOUT)
-            other.capture_end()
-
-    thread = threading.Thread(target=capture_in_another_thread)
-    thread.start()
     parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
-    try:
-        assert capturing.wait(RUN_TIMEOUT)
+    with another_threads_capture():  # whatever it raised: undocumented (see above)
         with pytest.raises(RuntimeError, match=r"closing the communicator failed on rank 0: .*CUDA cannot wait "
                                                r"for the whole device while one of its streams is being captured.*"
                                                r"after that capture ends"):
             comm.close()
-    finally:
-        done.set()
-        thread.join()
     assert len(cuda_ipc._parked) == parked_before + 1, "the region stays allocated"
     assert peer_mappings() == mapped, "the peers stay mapped"
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
