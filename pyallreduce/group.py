@@ -1,7 +1,11 @@
-"""Construction-time agreement: the facts a Communicator's ranks must share
-before any memory is mapped — one host, the same settings, a GPU topology
-the kernels can use, the blocks that may be resident at once — decided
-collectively, so that every rank reaches the same answer."""
+"""Agreement among a group's ranks. gather() and raise_if_failed(): what every
+step that can fail on one rank alone (mapping memory, registering a buffer)
+uses, so that every rank raises together instead of some waiting in a
+collective the failed rank never joins. agree_on_group(): the facts a
+Communicator's ranks must share before any memory is mapped — one host, the
+same settings, a GPU topology the kernels can use, the blocks that may be
+resident at once — decided collectively, so that every rank reaches the same
+answer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +15,20 @@ import torch.distributed as dist
 
 from . import _C, logs, policy
 from .protocol import host_id
+
+
+def gather(obj, group):
+    """Collective: every rank's obj, in rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raise_if_failed(errors, what, exc=RuntimeError):
+    """Raises exc if any rank's entry of `errors` (gathered: a str, or None) is set."""
+    failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
+    if failed:
+        raise exc(f"pyallreduce: {what} failed on " + "; ".join(failed))
 
 
 @dataclass
@@ -38,8 +56,7 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
     if gpu is not None:
         gpu = (*gpu, blocks_held(gpu[0]))
     mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error)
-    every = [None] * world_size
-    dist.all_gather_object(every, mine, group=group)
+    every = gather(mine, group)
     failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
     if failed:
         raise RuntimeError("pyallreduce: " + "; ".join(failed))

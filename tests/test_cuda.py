@@ -816,6 +816,12 @@ def check_runtime_failures_on_one_rank(rank, world):
         inject_failure(None)
         assert peer_mappings() in (None, 0), f"{step}: {peer_mappings()} peer mappings left"
     topology._topology_cache.clear()
+    # The status record cannot be allocated (pinned memory exhausted) after the
+    # regions are mapped: every rank raises, and unmaps together.
+    inject_failure("cudaHostAlloc" if last else None)
+    seen["construct: status record"] = outcome(construct)
+    inject_failure(None)
+    assert peer_mappings() in (None, 0), f"status record: {peer_mappings()} peer mappings left"
 
     with make_comm() as comm:
         regions = peer_mappings()
@@ -1032,6 +1038,9 @@ def test_runtime_failures_on_one_rank():
                                               "not arrive; rank 1: pyallreduce: cudaIpcOpenMemHandle"), got
     assert got["construct: region"].startswith("RuntimeError: pyallreduce: mapping the peers' regions failed on "
                                                "rank 1: pyallreduce: cudaIpcOpenMemHandle"), got
+    assert got["construct: status record"].startswith("RuntimeError: pyallreduce: setting up the communicator "
+                                                      "failed on rank 1: pyallreduce: cudaHostAlloc of the status "
+                                                      "record"), got
     assert got["register"] == got["register a strided view"] == "ok: False", got
     assert "after" not in got and got["next"] == "ok: True", got
     assert got["unregister"].startswith("RuntimeError: pyallreduce: unregistering a buffer failed on rank 1"), got

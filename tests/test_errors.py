@@ -3,6 +3,8 @@ concurrent threads, mismatch detection, segment isolation."""
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -211,3 +213,91 @@ def test_segments_are_private_and_exclusive():
         _C.shm_unmap(addr, 8192)
         assert _C.shm_remove(name)
     assert not _C.shm_remove(name)  # already gone is not an error
+
+
+def own_segments_mapped():
+    """This process's mappings of our shared-memory segments."""
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in maps if "/pyallreduce-" in line]
+
+
+# What fails, on which rank, and what every rank then raises.
+SEGMENT_FAILURES = {
+    "create": ("shm_create", 1, "creating the shared-memory segments failed on rank 1: injected"),
+    "map": ("shm_map", 0, "mapping the peers' shared-memory segments failed on rank 0: injected"),
+}
+
+
+def segment_failing_on_one_rank(rank, world, step):
+    """A segment that cannot be created or mapped on one rank (a full /dev/shm):
+    every rank raises the same error at construction, instead of the others
+    waiting for it in a collective it never joins; nothing stays mapped, and
+    the next communicator works."""
+    from pyallreduce import _C
+
+    function, failing, error = SEGMENT_FAILURES[step]
+    real = getattr(_C, function)
+
+    def fail(*args):
+        raise RuntimeError(f"injected {function} failure")
+
+    setattr(_C, function, fail if rank == failing else real)
+    try:
+        expect(RuntimeError, error, make_comm)
+    finally:
+        setattr(_C, function, real)
+    assert own_segments_mapped() == [], own_segments_mapped()
+    with make_comm() as comm:
+        assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
+
+
+@pytest.mark.parametrize("step", sorted(SEGMENT_FAILURES))
+def test_a_segment_failing_on_one_rank_fails_on_every_rank(step):
+    run_ranks(segment_failing_on_one_rank, 2, step, timeout=120)
+
+
+def dev_shm_too_small(rank, world):
+    """Run in a /dev/shm of 100 MiB: the default max_bytes (two 32 MiB staging
+    buffers per rank) does not fit, and a smaller one does."""
+    import pyallreduce
+
+    with pytest.raises(RuntimeError, match=r"does not fit in /dev/shm .* Give /dev/shm more room \(Docker: "
+                                           r"--shm-size=1g or --ipc=host\) or create the Communicator with a "
+                                           r"smaller max_bytes") as raised:
+        pyallreduce.Communicator(timeout=30)
+    with make_comm(max_bytes=8 << 20) as comm:
+        x = exact_input(1 << 20, rank, torch.float32)
+        assert torch.equal(comm.all_reduce(x), exact_sum(1 << 20, world, torch.float32))
+    return str(raised.value)
+
+
+SMALL_DEV_SHM = """set -e
+mount -t tmpfs -o size=100m tmpfs /dev/shm
+{python} -c 'import launch, test_errors; print(launch.run_ranks(test_errors.dev_shm_too_small, 2, timeout=150))'
+echo "left in /dev/shm: $(ls -A /dev/shm | wc -l)"
+"""
+
+
+def test_a_dev_shm_too_small_raises_what_to_do_instead_of_crashing():
+    """The default /dev/shm of a Docker container (64 MiB) holds less than one
+    rank's default segment. tmpfs gives a file's pages at first touch, so a
+    segment merely sized there killed the ranks with SIGBUS inside their first
+    large collective; now construction raises on every rank what to do. Runs
+    in a private mount namespace whose /dev/shm is a 100 MiB tmpfs."""
+    if subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs a private mount namespace with its own /dev/shm (unshare -m and mount: root)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = SMALL_DEV_SHM.format(python=sys.executable)
+    run = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=here, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert run.returncode == 0, out
+    assert "left in /dev/shm: 0" in out, out
+    assert out.count("does not fit in /dev/shm") >= 2, out  # each rank's message, naming the ranks

@@ -903,3 +903,29 @@ def deadline_at_every_round_of_a_wait(rank, world):
 def test_a_wait_decides_once_per_program_at_every_round_the_deadline_can_fall_in():
     [failures] = run_ranks(deadline_at_every_round_of_a_wait, 1, timeout=120, env=ENV)
     assert not failures, "\n".join(failures)
+
+
+def setup_failing_on_one_rank(rank, world):
+    """The Triton tables cannot be made on rank 1 (on a GPU: out of memory):
+    every rank raises at construction and unmaps together, instead of rank 0
+    waiting in its first call for a rank that never comes; the next
+    communicator works."""
+    import pyallreduce.triton_kernels as tk
+
+    real = tk.prepare
+
+    def out_of_memory(regions, device):
+        raise torch.OutOfMemoryError("injected: no memory for the region table")
+
+    tk.prepare = out_of_memory if rank == 1 else real
+    try:
+        with pytest.raises(RuntimeError, match="setting up the communicator failed on rank 1: injected: no memory"):
+            make_comm()
+    finally:
+        tk.prepare = real
+    with make_comm() as comm:
+        assert torch.equal(comm.all_reduce(torch.ones(5)), torch.full((5,), float(world)))
+
+
+def test_a_setup_failing_on_one_rank_fails_on_every_rank():
+    run_ranks(setup_failing_on_one_rank, 2, timeout=120, env=ENV)

@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -32,17 +34,43 @@ void* map_fd(int fd, int64_t size, const std::string& name) {
   return addr;
 }
 
-// Creates a new zero-filled segment readable and writable by this user only.
-// O_EXCL: an existing name (another job's, or a guess planted by another user)
-// is an error, never silently shared.
+std::string mib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f MiB", bytes / (1 << 20));
+  return text;
+}
+
+// Why segment fd does not fit in the filesystem behind shm_open (/dev/shm),
+// with its free and total sizes, and what to do.
+std::string no_room(int fd, const std::string& name, int64_t size) {
+  struct statvfs fs {};
+  std::string room;
+  if (fstatvfs(fd, &fs) == 0) {
+    room = "; " + mib(double(fs.f_bavail) * fs.f_frsize) + " free of " + mib(double(fs.f_blocks) * fs.f_frsize);
+  }
+  return "pyallreduce: shared-memory segment '" + name + "' of " + mib(double(size)) +
+      " does not fit in /dev/shm (" + std::strerror(ENOSPC) + room +
+      "): every rank on this host needs one (two staging buffers of max_bytes, plus flags). Give /dev/shm more "
+      "room (Docker: --shm-size=1g or --ipc=host) or create the Communicator with a smaller max_bytes";
+}
+
+// Creates a new zero-filled segment readable and writable by this user only,
+// its pages reserved now: on tmpfs a file merely sized (ftruncate) gets its
+// pages at first touch, and one that does not fit then kills the process with
+// SIGBUS inside a collective (the default 64 MiB /dev/shm of a Docker
+// container holds less than one default segment). O_EXCL: an existing name
+// (another job's, or a guess planted by another user) is an error, never
+// silently shared.
 int64_t shm_create(const std::string& name, int64_t size) {
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
   if (fd < 0) raise_errno("create", name);
-  if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(fd, size) != 0) {
-    int saved = errno;
-    close(fd);
+  int err = fchmod(fd, S_IRUSR | S_IWUSR) == 0 ? posix_fallocate(fd, 0, size) : errno;  // returns, not sets, errno
+  if (err != 0) {
     shm_unlink(name.c_str());
-    errno = saved;
+    const std::string why = err == ENOSPC ? no_room(fd, name, size) : "";
+    close(fd);
+    if (!why.empty()) throw std::runtime_error(why);
+    errno = err;
     raise_errno("sizing", name);
   }
   return reinterpret_cast<int64_t>(map_fd(fd, size, name));

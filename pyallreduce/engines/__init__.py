@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 import torch
 
 from .. import _C
+from ..group import gather, raise_if_failed
 
 if TYPE_CHECKING:
     from ..transport import Transport
@@ -134,6 +135,28 @@ def make_transport(group, max_bytes: int, device: torch.device, wait_until_unuse
     from ..transport import HostShmTransport
 
     return HostShmTransport(group, max_bytes)
+
+
+def set_up_on_every_rank(engine, group, set_up) -> None:
+    """Collective, at the end of an engine's construction: runs set_up(), this
+    rank's part after the transport is mapped (allocations that can fail on
+    one rank alone), and raises on every rank if it failed on any, the engine
+    closed on every rank together. Otherwise the others would go on and wait
+    in their first call, until its deadline, for a rank that never comes."""
+    error = None
+    try:
+        try:
+            set_up()
+        except RuntimeError as e:  # torch.OutOfMemoryError too
+            error = str(e)
+        errors = gather(error, group)
+    except BaseException:
+        engine.close(sync=False)
+        raise
+    if any(errors):
+        with contextlib.suppress(Exception):  # the setup's error is the one to see
+            engine.close(sync=True)  # every rank is here: unmap together, then free
+        raise_if_failed(errors, "setting up the communicator")
 
 
 def stream_capturing(device: torch.device) -> bool:

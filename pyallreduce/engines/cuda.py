@@ -11,6 +11,7 @@ import torch
 from .. import _C, logs
 from ..protocol import staged_piece_bytes
 from ..transport import cuda_ipc  # its functions looked up at each call: tests stub them there
+from . import set_up_on_every_rank
 from .native import NativeEngine, checked_nblocks
 
 CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
@@ -26,11 +27,11 @@ class CudaEngine(NativeEngine):
     def __init__(self, group, rank, device, max_bytes, nblocks, timeout_s):
         super().__init__(group, rank, device, max_bytes, nblocks, timeout_s)
         self.group = group
-        try:  # here, not at the first call, which may be inside a capture
-            _C.cuda_prepare(self.handle)
-        except BaseException:
-            self.close(sync=False)
-            raise
+        set_up_on_every_rank(self, group, self._prepare)  # here, not at the first call, which may be in a capture
+
+    def _prepare(self):
+        _C.cuda_prepare(self.handle)  # the status record and launch-order event
+        self._prepared = True
 
     @classmethod
     def resolve_nblocks(cls, nblocks, device):
@@ -48,6 +49,7 @@ class CudaEngine(NativeEngine):
     def check(self):
         _C.check(self.handle)
 
+    _prepared = False  # the context has its status record: kernels may have been launched
     _captured = False  # the context's capture mark, kept when close frees its record
 
     def wait_until_unused(self):
@@ -58,7 +60,7 @@ class CudaEngine(NativeEngine):
         if self.handle is None and self.unwaited is not None:
             raise RuntimeError(self.unwaited)
         launched = 0  # closing, the record gone: its eager kernels were waited for before
-        if self.handle is not None:
+        if self.handle is not None and self._prepared:
             launched, self._captured = _C.cuda_launch_chain(self.handle)
         _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
 

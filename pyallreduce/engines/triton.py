@@ -12,7 +12,7 @@ import torch
 
 from .. import _C, triton_kernels
 from ..protocol import staged_piece_bytes
-from . import make_transport, no_graph_table, stream_capturing
+from . import make_transport, no_graph_table, set_up_on_every_rank, stream_capturing
 from .cuda import CUDA_NBLOCKS
 from .native import checked_nblocks
 
@@ -33,11 +33,7 @@ class TritonEngine:
         self._broken_reason = None
         self._last_stream, self._launched = None, None  # the launch order on a GPU
         self._captured = False  # a launch went into a CUDA graph, which may replay on any stream
-        try:
-            triton_kernels.prepare(self.transport.regions, device)
-        except BaseException:
-            self.transport.close(sync=False)
-            raise
+        set_up_on_every_rank(self, group, lambda: triton_kernels.prepare(self.transport.regions, device))
 
     @classmethod
     def resolve_nblocks(cls, nblocks, device):

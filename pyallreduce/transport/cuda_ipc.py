@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..group import gather, raise_if_failed  # gather looked up here at each call: tests stub it here
 from ..protocol import host_id
 
 
@@ -67,23 +68,9 @@ def _device_index(device):
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def gather(obj, group):
-    """Collective: every rank's obj, in rank order."""
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _agree_all(errors, what, exc=RegistrationError):
-    """Raises if any rank's entry of `errors` (gathered str or None) is set."""
-    failed = [f"rank {q}: {e}" for q, e in enumerate(errors) if e]
-    if failed:
-        raise exc(f"pyallreduce: {what} failed on " + "; ".join(failed))
-
-
 def agree(error, group, what, exc=RegistrationError):
     """Collective: raises on every rank if `error` (a str or None) is set on any."""
-    _agree_all(gather(error, group), what, exc)
+    raise_if_failed(gather(error, group), what, exc)
 
 
 def buffer_verdict(exported):
@@ -153,7 +140,7 @@ class CudaIpcTransport:
             except RuntimeError as e:
                 error = str(e)
             peers = gather((host_id(), os.getpid(), handle, error), group)
-            _agree_all([e for _, _, _, e in peers], "allocating and exporting the regions", RuntimeError)
+            raise_if_failed([e for _, _, _, e in peers], "allocating and exporting the regions", RuntimeError)
             hosts = sorted({host for host, _, _, _ in peers})
             if len(hosts) != 1:
                 raise RuntimeError(
@@ -171,7 +158,7 @@ class CudaIpcTransport:
             if any(errors):
                 with contextlib.suppress(RuntimeError):  # the mapping error is the one to see
                     self.close(sync=True)  # every rank is here: unmap together, then free
-                _agree_all(errors, "mapping the peers' regions", RuntimeError)
+                raise_if_failed(errors, "mapping the peers' regions", RuntimeError)
         except BaseException:
             if maybe_mapped:
                 self._close_locally()  # a peer that mapped our region may not have unmapped it yet

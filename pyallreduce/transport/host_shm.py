@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..group import gather, raise_if_failed
 
 SEGMENT_PREFIX = "pyallreduce-"
 _SEGMENT = re.compile(SEGMENT_PREFIX + r"(\d+)-")  # pyallreduce-<creator pid>-<random>
@@ -37,26 +38,37 @@ class HostShmTransport:
         self.region_bytes = _C.region_bytes(max_bytes)
         self.regions = []
         name = f"/{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
-        own = _C.shm_create(name, self.region_bytes)  # zero-filled: flags and epochs start at 0
-        names = [name]
+        created, mapped, error = [], [], None  # the names to remove, the addresses to unmap on failure
         try:
-            peers = [None] * self.world_size
-            dist.all_gather_object(peers, (name, os.getpid()), group=group)
-            names = [n for n, _ in peers]
-            self.pids = [pid for _, pid in peers]
-            for q, peer_name in enumerate(names):
-                self.regions.append(own if q == self.rank else _C.shm_map(peer_name, self.region_bytes))
-            own = None
-            # Every rank has mapped every segment: the names are no longer needed.
-            dist.barrier(group=group)
+            # A failure on one rank (a full /dev/shm) goes through the same
+            # collectives as the others' success, so every rank raises together
+            # instead of some waiting for a rank that never joins.
+            try:
+                mapped.append(_C.shm_create(name, self.region_bytes))  # zero-filled: flags and epochs start at 0
+                created.append(name)
+            except RuntimeError as e:
+                error = str(e)
+            peers = gather((name, os.getpid(), error), group)
+            created = [n for n, _, e in peers if e is None]
+            raise_if_failed([e for _, _, e in peers], "creating the shared-memory segments")
+            self.pids = [pid for _, pid, _ in peers]
+            try:
+                for q, (peer_name, _, _) in enumerate(peers):
+                    if q != self.rank:
+                        mapped.append(_C.shm_map(peer_name, self.region_bytes))
+            except RuntimeError as e:
+                error = str(e)
+            # Every rank has mapped every segment, or says why not: the names are no longer needed.
+            raise_if_failed(gather(error, group), "mapping the peers' shared-memory segments")
+            self.regions = mapped[1:]
+            self.regions.insert(self.rank, mapped[0])  # rank order, own included
         except BaseException:
-            if own is not None:
-                _C.shm_unmap(own, self.region_bytes)
-            self.close()
+            for addr in mapped:
+                _C.shm_unmap(addr, self.region_bytes)
             raise
         finally:
             # Any rank may remove any name (a dead peer's too); ENOENT is fine.
-            for n in names:
+            for n in created:
                 _C.shm_remove(n)
 
     def close(self, sync=True):

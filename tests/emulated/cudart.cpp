@@ -714,6 +714,7 @@ cudaError_t cudaFree(void* p) {
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
+  if (injected_failure("cudaHostAlloc")) return fail(cudaErrorMemoryAllocation);  // pinned memory exhausted
   const size_t size = page_round(n == 0 ? 1 : n);
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
