@@ -804,7 +804,7 @@ def check_runtime_failures_on_one_rank(rank, world):
         comm.close()
         return f"fallback ({reason})" if reason else "constructed"
 
-    from pyallreduce.transport import topology
+    from pyallreduce.transport import cuda_ipc, topology
 
     # Mapping a peer's memory fails during construction: the topology probe's
     # (the first open), then the staging region's (the second; a 2-rank group
@@ -818,10 +818,12 @@ def check_runtime_failures_on_one_rank(rank, world):
     topology._topology_cache.clear()
     # The status record cannot be allocated (pinned memory exhausted) after the
     # regions are mapped: every rank raises, and unmaps together.
+    parked = len(cuda_ipc._parked)
     inject_failure("cudaHostAlloc" if last else None)
     seen["construct: status record"] = outcome(construct)
     inject_failure(None)
     assert peer_mappings() in (None, 0), f"status record: {peer_mappings()} peer mappings left"
+    assert len(cuda_ipc._parked) == parked, "the failed communicator's memory was parked, not freed together"
 
     with make_comm() as comm:
         regions = peer_mappings()

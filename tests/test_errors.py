@@ -265,7 +265,7 @@ def dev_shm_too_small(rank, world):
     with pytest.raises(RuntimeError, match=r"does not fit in /dev/shm .* Give /dev/shm more room \(Docker: "
                                            r"--shm-size=1g or --ipc=host\) or create the Communicator with a "
                                            r"smaller max_bytes") as raised:
-        pyallreduce.Communicator(timeout=30)
+        pyallreduce.Communicator(device="cpu", timeout=30)
     with make_comm(max_bytes=8 << 20) as comm:
         x = exact_input(1 << 20, rank, torch.float32)
         assert torch.equal(comm.all_reduce(x), exact_sum(1 << 20, world, torch.float32))
@@ -301,3 +301,30 @@ def test_a_dev_shm_too_small_raises_what_to_do_instead_of_crashing():
     assert run.returncode == 0, out
     assert "left in /dev/shm: 0" in out, out
     assert out.count("does not fit in /dev/shm") >= 2, out  # each rank's message, naming the ranks
+
+
+UNMAPPABLE_SEGMENT = """
+import os, resource
+from pyallreduce import _C
+name = f"/pyallreduce-test-{os.getpid()}"
+used = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), resource.RLIM_INFINITY))
+try:
+    _C.shm_create(name, 256 << 20)  # its pages reserved, then its mapping refused
+    print("created")
+except RuntimeError as e:
+    print("raised:", e)
+left = os.path.exists("/dev/shm" + name)
+if left:
+    _C.shm_remove(name)  # the test fails; /dev/shm stays clean
+print("left:", left)
+"""
+
+
+def test_a_segment_that_cannot_be_mapped_is_not_left_behind():
+    """Its pages are reserved before it is mapped: a mapping that fails
+    (address space exhausted, here RLIMIT_AS) must not leave the name, which
+    nobody would ever remove, holding them."""
+    run = subprocess.run([sys.executable, "-c", UNMAPPABLE_SEGMENT], capture_output=True, text=True, timeout=120)
+    assert "raised: pyallreduce: mmap of shared-memory segment" in run.stdout, run.stdout + run.stderr
+    assert "left: False" in run.stdout, run.stdout

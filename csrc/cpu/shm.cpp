@@ -64,7 +64,11 @@ std::string no_room(int fd, const std::string& name, int64_t size) {
 int64_t shm_create(const std::string& name, int64_t size) {
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
   if (fd < 0) raise_errno("create", name);
-  int err = fchmod(fd, S_IRUSR | S_IWUSR) == 0 ? posix_fallocate(fd, 0, size) : errno;  // returns, not sets, errno
+  int err = fchmod(fd, S_IRUSR | S_IWUSR) == 0 ? 0 : errno;
+  if (err == 0) {
+    do err = posix_fallocate(fd, 0, size);  // returns the error; errno is left alone
+    while (err == EINTR);                   // tmpfs stops at a pending signal
+  }
   if (err != 0) {
     shm_unlink(name.c_str());
     const std::string why = err == ENOSPC ? no_room(fd, name, size) : "";
@@ -73,7 +77,12 @@ int64_t shm_create(const std::string& name, int64_t size) {
     errno = err;
     raise_errno("sizing", name);
   }
-  return reinterpret_cast<int64_t>(map_fd(fd, size, name));
+  try {
+    return reinterpret_cast<int64_t>(map_fd(fd, size, name));
+  } catch (...) {
+    shm_unlink(name.c_str());  // its pages are reserved: nobody else would free them
+    throw;
+  }
 }
 
 // Maps a peer's segment after checking it is ours and of the expected size.

@@ -147,7 +147,7 @@ def set_up_on_every_rank(engine, group, set_up) -> None:
     try:
         try:
             set_up()
-        except RuntimeError as e:  # torch.OutOfMemoryError too
+        except Exception as e:  # any: the others must hear of it (torch.OutOfMemoryError, MemoryError, ...)
             error = str(e)
         errors = gather(error, group)
     except BaseException:

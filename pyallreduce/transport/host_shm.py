@@ -46,7 +46,7 @@ class HostShmTransport:
             try:
                 mapped.append(_C.shm_create(name, self.region_bytes))  # zero-filled: flags and epochs start at 0
                 created.append(name)
-            except RuntimeError as e:
+            except Exception as e:  # any: the others must hear of it
                 error = str(e)
             peers = gather((name, os.getpid(), error), group)
             created = [n for n, _, e in peers if e is None]
@@ -56,7 +56,7 @@ class HostShmTransport:
                 for q, (peer_name, _, _) in enumerate(peers):
                     if q != self.rank:
                         mapped.append(_C.shm_map(peer_name, self.region_bytes))
-            except RuntimeError as e:
+            except Exception as e:
                 error = str(e)
             # Every rank has mapped every segment, or says why not: the names are no longer needed.
             raise_if_failed(gather(error, group), "mapping the peers' shared-memory segments")
