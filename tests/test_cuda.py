@@ -667,6 +667,65 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
 
 
+def check_capture_exit_beside_another_threads_capture(rank, world):
+    """comm.capture() left while another thread captures, once this
+    communicator's kernels are in a graph: registering the captured inputs
+    must first wait for the whole device (no kernel of ours may read a graph
+    entry while it changes), which CUDA refuses then. Every rank keeps the
+    staging copy for those calls, saying why, instead of raising or changing
+    entries a replay may be reading; the graph replays right, and the
+    communicator closes once the other capture has ended."""
+    import logging
+
+    torch.cuda.set_device(0)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("pyallreduce").addHandler(handler)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    graph = torch.cuda.CUDAGraph()
+    entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
+    capture = comm.capture()
+    capture.__enter__()
+    with torch.cuda.graph(graph):
+        out = comm.all_reduce(x, algo="two_shot")  # out of place: would read x in place
+    mapped = peer_mappings()
+    with another_threads_capture():  # whatever it raised: undocumented (check_close_after_...)
+        capture.__exit__(None, None, None)
+    assert _C.cuda_graph_entry_modes(comm._handle)[entries_before:] == [0], "the entry changed: not staged"
+    assert peer_mappings() == mapped, "a peer's input was mapped for an entry nobody may write"
+    assert any("1 of 1 captured calls keep the staging copy: rank 0: waiting for the communicator's kernels "
+               "failed" in message for message in said), said
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 5))
+    comm.close()
+
+
+def check_capture_left_inside_the_graph_capture(rank, world):
+    """comm.capture() left before the torch.cuda.graph(...) capture it wraps
+    has ended: registering there is not possible (it talks to the other ranks
+    and waits for the device). Every rank raises saying what to do, nothing
+    of ours breaks the capture (it ends cleanly), and the communicator works
+    after it."""
+    torch.cuda.set_device(0)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 6))
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    capture = comm.capture()
+    capture.__enter__()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        comm.all_reduce(x)
+        with pytest.raises(RuntimeError, match=r"comm.capture\(\) failed on rank 0: leave comm.capture\(\) after "
+                                               r"the torch.cuda.graph\(...\) capture ended, not inside it; rank 1"):
+            capture.__exit__(None, None, None)
+        graph.capture_end()
+    assert torch.equal(comm.all_reduce(x).cpu(), exact_sum(1000, world, torch.float32, 6))
+    comm.close()
+
+
 def check_backend_with_cuda_tensors(rank, world, store_file):
     """README's torch.distributed snippet with CUDA tensors, as written:
     dist.init_process_group("pyallreduce"), then all_reduce (sum, avg, and
@@ -1009,6 +1068,14 @@ def test_beside_another_threads_capture():
 
 def test_close_after_captures_beside_another_threads_capture():
     run_ranks(check_close_after_captures_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+def test_capture_exit_beside_another_threads_capture():
+    run_ranks(check_capture_exit_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+def test_capture_left_inside_the_graph_capture():
+    run_ranks(check_capture_left_inside_the_graph_capture, 2, timeout=RUN_TIMEOUT)
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
