@@ -726,6 +726,37 @@ def check_capture_left_inside_the_graph_capture(rank, world):
     comm.close()
 
 
+def check_capture_exit_when_mapping_a_captured_input_fails(rank, world):
+    """At comm.capture()'s exit the last rank cannot map a peer's captured
+    input (emulation: cudaIpcOpenMemHandle injected to fail): every rank keeps
+    the staging copy for the captured calls, saying why, nothing stays mapped
+    for them, and the graph replays right."""
+    import logging
+
+    torch.cuda.set_device(0)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("pyallreduce").addHandler(handler)
+    with make_comm() as comm:
+        x = on_gpu(exact_input(1000, rank, torch.float32, 7))
+        graph = torch.cuda.CUDAGraph()
+        entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
+        mapped = peer_mappings()
+        with comm.capture():
+            with torch.cuda.graph(graph):
+                out = comm.all_reduce(x, algo="two_shot")  # out of place: would read x in place
+            inject_failure("cudaIpcOpenMemHandle" if rank == world - 1 else None)  # the exit's first open
+        inject_failure(None)
+        assert _C.cuda_graph_entry_modes(comm._handle)[entries_before:] == [0], "an entry was written"
+        assert peer_mappings() == mapped, "a peer's input stays mapped for an entry nobody uses"
+        assert any(f"the captured calls keep the staging copy: pyallreduce: mapping the peers' buffers failed on "
+                   f"rank {world - 1}: pyallreduce: cudaIpcOpenMemHandle" in message for message in said), said
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 7))
+
+
 def check_backend_with_cuda_tensors(rank, world, store_file):
     """README's torch.distributed snippet with CUDA tensors, as written:
     dist.init_process_group("pyallreduce"), then all_reduce (sum, avg, and
@@ -1072,6 +1103,12 @@ def test_close_after_captures_beside_another_threads_capture():
 
 def test_capture_exit_beside_another_threads_capture():
     run_ranks(check_capture_exit_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+def test_capture_exit_when_mapping_a_captured_input_fails():
+    if not EMULATED:
+        pytest.skip("the failure is injected through the emulated runtime")
+    run_ranks(check_capture_exit_when_mapping_a_captured_input_fails, 2, timeout=RUN_TIMEOUT)
 
 
 def test_capture_left_inside_the_graph_capture():
