@@ -667,6 +667,17 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
 
 
+def logged():
+    """The messages pyallreduce logs in this process from now on (a list that grows)."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("pyallreduce").addHandler(handler)
+    return said
+
+
 def check_capture_exit_beside_another_threads_capture(rank, world):
     """comm.capture() left while another thread captures, once this
     communicator's kernels are in a graph: registering the captured inputs
@@ -675,13 +686,8 @@ def check_capture_exit_beside_another_threads_capture(rank, world):
     staging copy for those calls, saying why, instead of raising or changing
     entries a replay may be reading; the graph replays right, and the
     communicator closes once the other capture has ended."""
-    import logging
-
     torch.cuda.set_device(0)
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("pyallreduce").addHandler(handler)
+    said = logged()
     comm = make_comm()
     x = on_gpu(exact_input(1000, rank, torch.float32, 5))
     graph = torch.cuda.CUDAGraph()
@@ -731,13 +737,8 @@ def check_capture_exit_when_mapping_a_captured_input_fails(rank, world):
     input (emulation: cudaIpcOpenMemHandle injected to fail): every rank keeps
     the staging copy for the captured calls, saying why, nothing stays mapped
     for them, and the graph replays right."""
-    import logging
-
     torch.cuda.set_device(0)
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("pyallreduce").addHandler(handler)
+    said = logged()
     with make_comm() as comm:
         x = on_gpu(exact_input(1000, rank, torch.float32, 7))
         graph = torch.cuda.CUDAGraph()
