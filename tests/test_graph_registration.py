@@ -133,7 +133,6 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     transport._export, transport._open = export, open_handle
     engine = object.__new__(cuda.CudaEngine)
     engine.handle, engine.transport, engine.group, engine.device = 1, transport, dist.group.WORLD, torch.device("cuda", 0)
-    engine._prepared = True  # as cuda_prepare leaves it
     comm = object.__new__(communicator.Communicator)
     comm._engine, comm._capturing, comm.device = engine, False, engine.device
     error = None

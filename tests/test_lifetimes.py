@@ -252,7 +252,6 @@ def communicator_over(transport):
 
     engine = object.__new__(CudaEngine)
     engine.handle, engine.transport, engine.group, engine.device = 1, transport, dist.group.WORLD, transport.device
-    engine._prepared = True  # as cuda_prepare leaves it
     comm = object.__new__(Communicator)
     comm._engine, comm._handle, comm._closed, comm.device = engine, 1, False, transport.device
     return comm

@@ -289,8 +289,11 @@ StatusRecord& record_of(const Context& ctx) {
 }
 
 std::pair<cudaEvent_t, bool> launch_chain(const Context& ctx) {
-  const StatusRecord& rec = record_of(ctx);
-  return {rec.launched, rec.captured};
+  std::lock_guard<std::mutex> lock(status_mutex);
+  auto it = status_by_context.find(&ctx);
+  // No record of its own (prepare failed, or a destroyed context's at this address): nothing was launched.
+  if (it == status_by_context.end() || it->second.own_region != ctx.own_region()) return {nullptr, false};
+  return {it->second.launched, it->second.captured};
 }
 
 namespace {

@@ -58,7 +58,8 @@ struct StatusRecord;
 StatusRecord& record_of(const Context& ctx);
 // What runtime.h wait_until_unused needs of the communicator: the event its
 // last eager launch recorded (every earlier one ran before it) and whether a
-// kernel of it was ever launched into a capture.
+// kernel of it was ever launched into a capture; (none, false) for a context
+// without its status record (prepare failed), which never launched.
 std::pair<cudaEvent_t, bool> launch_chain(const Context& ctx);
 
 // A call as the adapter describes it: this rank's buffers (the all-reduce's

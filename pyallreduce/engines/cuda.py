@@ -27,11 +27,8 @@ class CudaEngine(NativeEngine):
     def __init__(self, group, rank, device, max_bytes, nblocks, timeout_s):
         super().__init__(group, rank, device, max_bytes, nblocks, timeout_s)
         self.group = group
-        set_up_on_every_rank(self, group, self._prepare)  # here, not at the first call, which may be in a capture
-
-    def _prepare(self):
-        _C.cuda_prepare(self.handle)  # the status record and launch-order event
-        self._prepared = True
+        # The status record and launch-order event: here, not at the first call, which may be in a capture.
+        set_up_on_every_rank(self, group, lambda: _C.cuda_prepare(self.handle))
 
     @classmethod
     def resolve_nblocks(cls, nblocks, device):
@@ -49,7 +46,6 @@ class CudaEngine(NativeEngine):
     def check(self):
         _C.check(self.handle)
 
-    _prepared = False  # the context has its status record: kernels may have been launched
     _captured = False  # the context's capture mark, kept when close frees its record
 
     def wait_until_unused(self):
@@ -60,7 +56,7 @@ class CudaEngine(NativeEngine):
         if self.handle is None and self.unwaited is not None:
             raise RuntimeError(self.unwaited)
         launched = 0  # closing, the record gone: its eager kernels were waited for before
-        if self.handle is not None and self._prepared:
+        if self.handle is not None:
             launched, self._captured = _C.cuda_launch_chain(self.handle)
         _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
 
