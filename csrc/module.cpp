@@ -63,6 +63,12 @@ std::shared_ptr<Context> get_context(int64_t handle) {
   return it->second;
 }
 
+void abort_context(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(handle);
+  if (it != registry.end()) it->second->aborted.store(true);
+}
+
 CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
   TORCH_CHECK(ctx.in_flight.try_lock(),
               "pyallreduce: another thread is inside a collective on this communicator; "
@@ -70,6 +76,10 @@ CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
   if (ctx.closed) {
     ctx.in_flight.unlock();
     TORCH_CHECK(false, "pyallreduce: this communicator is closed; create a new Communicator");
+  }
+  if (ctx.aborted.load()) {
+    ctx.in_flight.unlock();
+    TORCH_CHECK(false, "pyallreduce: this communicator was aborted; create a new Communicator");
   }
   if (ctx.broken.load()) {
     ctx.in_flight.unlock();
@@ -403,6 +413,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"));
   m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false);
+  m.def("abort_context", &abort_context, py::arg("handle"));
   // The GIL is released while the ranks wait for each other, as torch.ops calls do.
   m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),

@@ -298,13 +298,21 @@ class PyallreduceBackend(_C.ServingBackend):
     # ---- lifetime ------------------------------------------------------------
 
     def shutdown(self):
-        """destroy_process_group: closes the communicators and the inner backends."""
-        self._release()
+        """destroy_process_group: closes the communicators (collectively) and the inner backends."""
+        self._release("close", "shutdown")
 
     def abort(self):
-        self._release()
+        """_abort_process_group: ends without the peers, which may be gone or
+        never call it (torch aborts a group to leave it alone). A served call
+        waiting for a peer on another thread holds the turn: it is made to give
+        up first (Communicator.abort), then every communicator closes as after
+        an error and the inner backends abort."""
+        for comm in list(self._comms.values()):
+            comm._interrupt()
+        self._release("abort", "abort")
 
-    def _release(self):
+    def _release(self, end_comm, end_inner):
+        """Ends every communicator and inner backend by the named method, under the turn."""
         # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
         with self._scope(turn=True, serve=False):
@@ -321,10 +329,10 @@ class PyallreduceBackend(_C.ServingBackend):
                 # goes to the inner backends, which close only after it.
                 with self._scope(turn=False, serve=True):
                     for comm in comms:
-                        comm.close()
+                        getattr(comm, end_comm)()
             finally:
                 for inner in self._inner.values():
-                    inner.shutdown()
+                    getattr(inner, end_inner)()
 
 
 def _device_type(args):

@@ -215,6 +215,25 @@ class Communicator:
         """
         self._close(sync=True)
 
+    def abort(self):
+        """Ends this communicator without the other ranks, from any thread, as
+        ncclCommAbort does: for a rank that gives up on a peer (a watchdog, a
+        fault-tolerant trainer; torch.distributed's abort of a "pyallreduce"
+        group calls it). A CPU call waiting for a peer on another thread raises
+        within a tenth of a second; a kernel already launched (CUDA, Triton)
+        runs until its peers arrive or its deadline passes, and the close waits
+        for it. Then it closes as after an error (see close()). Safe to call
+        twice, and after close().
+        """
+        self._interrupt()
+        self._close(sync=False)
+
+    def _interrupt(self):
+        """abort()'s first half: a call waiting on another thread gives up, none starts."""
+        engine = self._engine  # read once: a close() on another thread may clear it
+        if engine is not None:
+            engine.interrupt()
+
     def _close(self, sync):
         if self._closed:
             return

@@ -34,6 +34,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_for_file(path, timeout_s=120.0):
+    """Waits outside torch.distributed (whose waits a test may have shortened,
+    or aborted) until another rank creates `path`; the test's assertions then
+    say what went wrong if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _rank_main(fn, rank, world_size, port, env, report, args):
     os.environ.clear()  # the server's environment is that of when it started
     os.environ.update(env)

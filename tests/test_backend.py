@@ -20,7 +20,7 @@ import pyallreduce  # noqa: F401  (registers the "pyallreduce" backend)
 if not hasattr(pyallreduce._C, "ServingBackend"):
     pytest.skip(f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})",
                 allow_module_level=True)
-from launch import run_ranks
+from launch import run_ranks, wait_for_file
 
 WORLD = 2
 TIMEOUT = 90.0
@@ -40,6 +40,14 @@ def reinit(backend, store_file):
     dist.destroy_process_group()
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     return dist.group.WORLD._get_backend(torch.device("cpu"))
+
+
+def assert_a_new_group_sums(rank, world_size, store_file):
+    """After the group ended: a new "pyallreduce" group starts and sums exactly."""
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world_size)
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((4,), float(world_size * (world_size + 1) // 2)))
 
 
 def exact_input(rank, dtype):
@@ -69,6 +77,8 @@ def _all_reduce(rank, world_size, backend, store_file):
         x = exact_input(rank, dtype)
         work = dist.all_reduce(x, async_op=True)
         assert work.wait()
+        work.synchronize()  # the Work's other waits: a CPU call has finished
+        work.block_current_stream()
         assert torch.equal(x, expected[dtype]), f"async sum {dtype}"
         assert work.is_completed() and work.is_success() and work.exception() is None
         assert len(work.result()) == 1 and work.result()[0] is x
@@ -366,9 +376,7 @@ def _timeout(rank, world_size, store_file):
             dist.all_reduce(torch.ones(4))
         open(f"{store_file}.done", "w").close()
     else:  # waits outside torch.distributed, whose every wait now ends after 3 s
-        deadline = time.monotonic() + 60
-        while not os.path.exists(f"{store_file}.done") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_file(f"{store_file}.done")
 
 
 def test_the_process_group_timeout_applies(tmp_path):
@@ -395,16 +403,64 @@ def _collective_close(rank, world_size, store_file):
     dist.destroy_process_group()
     assert gathered == [[("closing", r) for r in range(world_size)]]
     assert comm.closed
-    # torch's tables were cleared: a new group can start.
-    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world_size)
-    x = torch.full((4,), float(rank + 1))
-    dist.all_reduce(x)
-    assert torch.equal(x, torch.full((4,), 3.0))
+    assert_a_new_group_sums(rank, world_size, store_file)  # torch's tables were cleared
 
 
 @pytest.mark.quick
 def test_destroy_process_group_closes_collectively(tmp_path):
     run_ranks(_collective_close, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _abort(rank, world_size, store_file):
+    """torch's _abort_process_group while this rank's served call (the C++
+    fast path, holding the turn) waits on another thread for a peer that never
+    makes it: the call raises at once instead of at the group's deadline, the
+    abort needs nothing from the peer, and a new group works afterwards."""
+    import datetime
+    import threading
+
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    from pyallreduce.transport.host_shm import leaked_segments
+
+    dist.destroy_process_group()
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    backend = dist.group.WORLD._get_backend(CPU)
+    dist.all_reduce(torch.ones(4))  # the communicator exists on both ranks
+    comm = backend._comms[CPU]
+    if rank == 0:
+        errors = []
+
+        def blocked():
+            try:
+                dist.all_reduce(torch.ones(4))  # rank 1 never makes this call
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        time.sleep(1.0)  # the call waits for rank 1 by now
+        start = time.monotonic()
+        _abort_process_group()
+        aborted_in = time.monotonic() - start
+        t.join(60)
+        assert not t.is_alive()
+        assert aborted_in < 60, aborted_in  # the deadline is 600 s
+        assert len(errors) == 1 and "was aborted" in errors[0] and "rank(s) 1" in errors[0], errors
+        open(f"{store_file}.done", "w").close()
+    else:  # waits outside torch.distributed, then leaves the group the same way
+        wait_for_file(f"{store_file}.done")
+        _abort_process_group()
+    assert comm.closed and backend._comms == {}
+    assert not dist.is_initialized()
+    assert leaked_segments() == []
+    assert_a_new_group_sums(rank, world_size, store_file)
+
+
+@pytest.mark.quick
+def test_abort_ends_a_served_call_waiting_for_a_peer(tmp_path):
+    run_ranks(_abort, WORLD, str(tmp_path / "store"), timeout=240)
 
 
 def _second_thread(rank, world_size, store_file):

@@ -25,7 +25,7 @@ from pyallreduce import _C  # noqa: E402
 if not _C.WITH_CUDA:
     pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
 
-from launch import run_ranks  # noqa: E402
+from launch import run_ranks, wait_for_file  # noqa: E402
 from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input, tolerance  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
@@ -761,7 +761,8 @@ def check_capture_exit_when_mapping_a_captured_input_fails(rank, world):
 def check_backend_with_cuda_tensors(rank, world, store_file):
     """README's torch.distributed snippet with CUDA tensors, as written:
     dist.init_process_group("pyallreduce"), then all_reduce (sum, avg, and
-    async with wait() on another stream: NCCL's stream semantics),
+    async with wait(), synchronize() or block_current_stream() on another
+    stream: NCCL's stream semantics),
     reduce-scatter and all-gather into tensors; destroy_process_group() closes
     the CUDA communicator collectively (the review's bug 1: it raised once the
     backend had served a CUDA call), and a new group starts after it."""
@@ -789,6 +790,15 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
         work.wait()  # the side stream waits for the collective's stream
         got = z.cpu()  # copied on the side stream
     assert torch.equal(got, exact_sum(4096, world, torch.float32, 6))
+    for salt, order in ((10, "synchronize"), (11, "block_current_stream")):  # the same, by the Work's other names
+        z = on_gpu(exact_input(4096, rank, torch.float32, salt))
+        if rank == 1:
+            time.sleep(0.2)
+        work = dist.all_reduce(z, async_op=True)
+        with torch.cuda.stream(side):
+            getattr(work, order)()
+            got = z.cpu()
+        assert torch.equal(got, exact_sum(4096, world, torch.float32, salt)), order
 
     seg = 1024
     out = on_gpu(torch.zeros(seg))
@@ -798,9 +808,47 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     _dist_all_gather(gathered, on_gpu(exact_input(seg, rank, torch.float32, 8)))
     assert torch.equal(gathered.cpu(), torch.cat([exact_input(seg, q, torch.float32, 8) for q in range(world)]))
     # After the first call made the Communicator, the rest took the backend's C++ fast path.
-    assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 4
+    assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 6
 
     dist.destroy_process_group()  # closes the CUDA communicator with its peers
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)
+    again = on_gpu(exact_input(300, rank, torch.float32, 9))
+    dist.all_reduce(again)
+    assert torch.equal(again.cpu(), exact_sum(300, world, torch.float32, 9))
+
+
+def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
+    """torch's _abort_process_group on one rank while its kernel waits on the
+    device for a peer that never calls, and that peer does not abort with it:
+    the abort needs nothing from the peer (a collective close would wait for
+    it through the group), waits for its own kernel (until the group's 5 s
+    deadline), unmaps the peers, and a new group works afterwards."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    import pyallreduce  # noqa: F401  (registers the backend)
+
+    torch.cuda.set_device(0)
+    dist.destroy_process_group()  # run_ranks' gloo group
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    x = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    dist.all_reduce(x)  # the communicator exists on both ranks
+    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 5))
+    if rank == 0:
+        dist.all_reduce(x)  # enqueued; its kernel waits for rank 1, which never calls
+        start = time.monotonic()
+        _abort_process_group()
+        aborted_in = time.monotonic() - start
+        assert aborted_in < 60, aborted_in
+        open(f"{store_file}.done", "w").close()
+    else:  # waits outside torch.distributed, then leaves the group the same way
+        wait_for_file(f"{store_file}.done")
+        _abort_process_group()
+    assert not dist.is_initialized()
+    assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after the abort"
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)
     again = on_gpu(exact_input(300, rank, torch.float32, 9))
     dist.all_reduce(again)
@@ -1121,6 +1169,12 @@ def test_capture_left_inside_the_graph_capture():
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
+
+
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
+                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
+def test_backend_abort_beside_a_waiting_kernel(tmp_path):
+    run_ranks(check_backend_abort_beside_a_waiting_kernel, 2, str(tmp_path / "store"), timeout=240)
 
 
 def test_unregister_right_after_calls():

@@ -1,6 +1,7 @@
 """Failing loudly: bad input, deadlines naming the missing rank, dead ranks,
-concurrent threads, mismatch detection, segment isolation."""
+concurrent threads, abort(), mismatch detection, segment isolation."""
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -99,6 +100,49 @@ def missing_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_rank_that_never_calls_makes_the_others_raise_naming_it(world):
     run_ranks(missing_rank, world, timeout=120)
+
+
+def aborted_wait(rank, world):
+    """Communicator.abort() from a watchdog thread ends a call waiting for a
+    peer that never comes, at once and not at its deadline, without the peer's
+    help; the communicator refuses later calls, and a new one works."""
+    comm = make_comm(timeout=600)
+    x = torch.ones(100)
+    assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
+    if rank == world - 1:
+        dist.barrier()  # never calls the second collective; waits until the others aborted
+    else:
+        errors = []
+
+        def watchdog():
+            time.sleep(1.0)  # the main thread waits for the last rank by now
+            comm.abort()
+
+        threading.Thread(target=watchdog).start()
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x)
+        except RuntimeError as e:
+            errors.append(str(e))
+        waited = time.monotonic() - start
+        assert len(errors) == 1 and re.search(
+            rf"collective call 2 on this communicator was aborted .* rank {rank} waited [0-9.]+ s in the start "
+            rf"barrier for rank\(s\) {world - 1}$", errors[0].split("\n")[0]), errors
+        assert waited < 60, waited  # the deadline is 600 s; the abort is seen within 0.1 s of it
+        assert comm.closed
+        expect(RuntimeError, "this communicator is closed", comm.all_reduce, x)
+        comm.abort()  # twice: nothing
+        comm.close()
+        dist.barrier()
+    comm.abort()  # the last rank gives up on the others the same way, with nothing in flight
+    assert not own_segments_mapped(), "a segment stays mapped after abort()"
+    with make_comm() as fresh:
+        assert torch.equal(fresh.all_reduce(x), torch.full((100,), float(world)))
+
+
+@pytest.mark.quick
+def test_abort_ends_a_wait_for_a_peer_without_the_peer():
+    run_ranks(aborted_wait, 2, timeout=180)
 
 
 def killed_rank(rank, world, when):

@@ -35,6 +35,10 @@ struct Context {
   // epochs are then out of step across ranks, so every later call must refuse.
   std::atomic<bool> broken{false};
   std::string broken_reason;
+  // Set by abort_context (Communicator.abort, torch.distributed's abort of the
+  // process group) from any thread: a host wait in progress gives up at its
+  // next clock check (within kLivenessCheckPeriod), and no later call starts.
+  std::atomic<bool> aborted{false};
   // Set by destroy_context under in_flight: a thread that fetched the context
   // just before close() must not touch the (soon unmapped) regions.
   bool closed = false;
@@ -76,6 +80,8 @@ int64_t register_context(std::unique_ptr<Context> ctx);
 // process exits, and no new context takes its address.
 void destroy_context(int64_t handle, bool keep_alive = false);
 std::shared_ptr<Context> get_context(int64_t handle);
+// Sets the context's `aborted`; nothing for a handle already destroyed.
+void abort_context(int64_t handle);
 
 // Holds ctx.in_flight for one collective and refuses a broken or busy context.
 class CollectiveGuard {

@@ -44,8 +44,8 @@ constexpr int kContendedCalls = 100;
 //                     wait for, and the peer's flag store wakes us
 //                     (signal_peers checks our sleep word, so an idle waker
 //                     makes no syscall). One sleep lasts at most
-//                     kLivenessCheckPeriod, so the deadline and a dead peer
-//                     are noticed in time.
+//                     kLivenessCheckPeriod, so the deadline, a dead peer
+//                     and an abort (Context::aborted) are noticed in time.
 // No sched_yield stage: under EEVDF (Linux >= 6.6) one yield beside a busy
 // process can hand it a whole slice (ms), and a stage counted in yields then
 // lasts as long as the scheduler likes (docs/architecture.md, "Waiting on a
@@ -147,7 +147,8 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
         dead = rank_process_gone(ctx.pids[q]);
         next_liveness_check = now + kLivenessCheckPeriod;
       }
-      if (!dead && now < deadline) {
+      const bool aborted = ctx.aborted.load(std::memory_order_relaxed);
+      if (!dead && !aborted && now < deadline) {
         uint32_t* word = own + flag_index(kBlock, q);
         uint32_t* sleeping = sleep_word(ctx.own_region());
         __atomic_store_n(sleeping, 1u, __ATOMIC_RELAXED);
@@ -169,6 +170,9 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
         if (!arrived(p)) missing << " " << p;
       }
       double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      TORCH_CHECK(!aborted, "pyallreduce: collective call ", ctx.calls, " on this communicator was aborted (",
+                  "Communicator.abort(), or torch.distributed's abort of its process group) after rank ", ctx.rank,
+                  " waited ", waited, " s in the ", where, " barrier for rank(s)", missing.str());
       TORCH_CHECK(false, "pyallreduce: rank ", ctx.rank, " waited ", waited, " s in the ", where,
                   " barrier of collective call ", ctx.calls, " on this communicator; rank(s)", missing.str(),
                   " never arrived there",

@@ -62,6 +62,11 @@ class Engine(Protocol):
     def check(self) -> None: ...
     def close(self, sync: bool) -> None: ...
 
+    def interrupt(self) -> None:
+        """From any thread: a host wait of this engine in progress gives up and
+        raises, and no later call starts (Communicator.abort). A kernel already
+        launched is not reached: it ends when its peers arrive or at its deadline."""
+
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend a Communicator on `device` runs ("auto" resolved), or a clear error."""

@@ -83,6 +83,11 @@ class NativeEngine:
     def wait_until_unused(self) -> None:
         pass  # a host call has finished when it returns
 
+    def interrupt(self) -> None:
+        handle = self.handle  # read once: close() may clear it meanwhile
+        if handle is not None:
+            _C.abort_context(handle)
+
     def close(self, sync: bool) -> None:
         try:
             self._destroy_context()

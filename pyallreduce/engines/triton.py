@@ -87,6 +87,10 @@ class TritonEngine:
             launched = self._launched.cuda_event if self._launched is not None else 0
             _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
 
+    def interrupt(self):
+        # Its waits are inside its kernels, which no host flag reaches: later calls only.
+        self._broken_reason = "it was aborted"
+
     def close(self, sync):
         regions = list(self.transport.regions)  # close() empties them
         try:
