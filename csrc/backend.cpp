@@ -117,9 +117,15 @@ class HeldWork : public c10d::Work {
   std::exception_ptr exception() const override { return work_->exception(); }
   int sourceRank() const override { return work_->sourceRank(); }
   std::vector<at::Tensor> result() override { return work_->result(); }
-  void synchronize() override { work_->synchronize(); }
+  // wait(), not the Work's own synchronize()/blockCurrentStream(): torch's
+  // Python Work trampoline forwards only wait() and getFuture(), so for
+  // backend.py's CompletedWork those would reach Work's base versions, which
+  // order nothing. wait() is what orders the caller's current stream after
+  // the call for every Work held here (CompletedWork's and NCCL's make the
+  // stream wait; gloo's has finished when it returns).
+  void synchronize() override { work_->wait(); }
   bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
-  void blockCurrentStream() override { work_->blockCurrentStream(); }
+  void blockCurrentStream() override { work_->wait(); }
   void abort() override { work_->abort(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return work_->getFutureResult(); }

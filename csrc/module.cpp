@@ -64,9 +64,18 @@ std::shared_ptr<Context> get_context(int64_t handle) {
 }
 
 void abort_context(int64_t handle) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = registry.find(handle);
-  if (it != registry.end()) it->second->aborted.store(true);
+  std::shared_ptr<Context> ctx;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(handle);
+    if (it == registry.end()) return;
+    ctx = it->second;
+  }
+  ctx->aborted.store(true);
+  // Then waits for a call already past its guard (a host wait gives up at its
+  // next look; a CUDA call returns once launched): afterwards none runs and
+  // none starts, so every launch is in the launch chain close() waits for.
+  std::lock_guard<std::mutex> sealed(ctx->in_flight);
 }
 
 CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
@@ -79,7 +88,8 @@ CollectiveGuard::CollectiveGuard(Context& ctx) : ctx_(ctx) {
   }
   if (ctx.aborted.load()) {
     ctx.in_flight.unlock();
-    TORCH_CHECK(false, "pyallreduce: this communicator was aborted; create a new Communicator");
+    TORCH_CHECK(false, "pyallreduce: this communicator was aborted; create a new Communicator (or process group) "
+                "on the ranks that go on");
   }
   if (ctx.broken.load()) {
     ctx.in_flight.unlock();
@@ -412,8 +422,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"));
-  m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false);
-  m.def("abort_context", &abort_context, py::arg("handle"));
+  // Both wait for a call in flight on another thread, which may need the GIL to finish.
+  m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("abort_context", &abort_context, py::arg("handle"), py::call_guard<py::gil_scoped_release>());
   // The GIL is released while the ranks wait for each other, as torch.ops calls do.
   m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),

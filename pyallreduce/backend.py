@@ -299,29 +299,31 @@ class PyallreduceBackend(_C.ServingBackend):
 
     def shutdown(self):
         """destroy_process_group: closes the communicators (collectively) and the inner backends."""
-        self._release("close", "shutdown")
+        self._release()
 
     def abort(self):
         """_abort_process_group: ends without the peers, which may be gone or
-        never call it (torch aborts a group to leave it alone). A served call
-        waiting for a peer on another thread holds the turn: it is made to give
-        up first (Communicator.abort), then every communicator closes as after
-        an error and the inner backends abort."""
+        never call it (torch aborts a group to leave it alone), best effort:
+        what fails is logged and the rest still ends. First what may keep a
+        call of another thread waiting: the inner backends (an NCCL kernel our
+        next kernel queues behind; gloo's abort does nothing) and a served call
+        waiting for a peer, which holds the turn (Communicator.abort). Then,
+        under the turn, every communicator closes as after an error. (A call
+        inside a gloo collective, such as a communicator's construction, holds
+        the turn until that ends: gloo cannot be aborted.)"""
+        for inner in list(self._inner.values()):
+            _logged(inner.abort, "aborting its inner backend")
         for comm in list(self._comms.values()):
             comm._interrupt()
-        self._release("abort", "abort")
+        with self._scope(turn=True, serve=False):
+            for comm in self._end():
+                _logged(comm.abort, "aborting its communicator")
 
-    def _release(self, end_comm, end_inner):
-        """Ends every communicator and inner backend by the named method, under the turn."""
+    def _release(self):
         # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
         with self._scope(turn=True, serve=False):
-            if self._closed:
-                return
-            self._closed = True
-            self._clear_fast()
-            comms, self._comms = list(self._comms.values()), {}
-            self._group = None  # breaks the cycle group -> backend -> group
+            comms = self._end()
             try:
                 # A CUDA communicator's close is collective (its transport agrees
                 # with the peers through this very group, which torch still routes
@@ -329,10 +331,29 @@ class PyallreduceBackend(_C.ServingBackend):
                 # goes to the inner backends, which close only after it.
                 with self._scope(turn=False, serve=True):
                     for comm in comms:
-                        getattr(comm, end_comm)()
+                        comm.close()
             finally:
                 for inner in self._inner.values():
-                    getattr(inner, end_inner)()
+                    inner.shutdown()
+
+    def _end(self):
+        """Marks the group ended (the caller holds the turn); returns the
+        communicators left to end, none the second time."""
+        if self._closed:
+            return []
+        self._closed = True
+        self._clear_fast()
+        comms, self._comms = list(self._comms.values()), {}
+        self._group = None  # breaks the cycle group -> backend -> group
+        return comms
+
+
+def _logged(end, what):
+    """end(), an error only logged: an abort must reach every part."""
+    try:
+        end()
+    except Exception as e:
+        logs.log_once(f"backend {NAME}: {what} failed: {e}")
 
 
 def _device_type(args):

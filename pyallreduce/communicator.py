@@ -216,14 +216,15 @@ class Communicator:
         self._close(sync=True)
 
     def abort(self):
-        """Ends this communicator without the other ranks, from any thread, as
-        ncclCommAbort does: for a rank that gives up on a peer (a watchdog, a
-        fault-tolerant trainer; torch.distributed's abort of a "pyallreduce"
-        group calls it). A CPU call waiting for a peer on another thread raises
-        within a tenth of a second; a kernel already launched (CUDA, Triton)
-        runs until its peers arrive or its deadline passes, and the close waits
-        for it. Then it closes as after an error (see close()). Safe to call
-        twice, and after close().
+        """Ends this communicator without the other ranks, from any thread: for
+        a rank that gives up on a peer (a watchdog, a fault-tolerant trainer;
+        torch.distributed's abort of a "pyallreduce" group calls it). A CPU
+        call waiting for a peer on another thread raises within about 0.1 s,
+        and no call starts after it. Unlike ncclCommAbort it cuts nothing
+        short on a GPU: a kernel already launched (CUDA, Triton) runs until
+        its peers arrive or its deadline, and abort waits for it; a call inside
+        a torch.distributed fallback ends with that collective. Then it closes
+        as after an error (see close()). Safe to call twice, and after close().
         """
         self._interrupt()
         self._close(sync=False)
@@ -384,7 +385,7 @@ class Communicator:
         reason = self.fallback_reason
         if reason is None and scatters:
             reason = not_reduced_reason(src.dtype)
-        piece = None if reason is not None else self._engine.piece_bytes(collective, src.element_size())
+        piece = None if reason is not None else self._engine_of_call().piece_bytes(collective, src.element_size())
         if piece == 0:
             reason = f"max_bytes={self.max_bytes} is too small for {self.world_size} segments"
         if reason is not None:
@@ -394,7 +395,7 @@ class Communicator:
 
         def run(s, d):
             self._calls += 1
-            self._engine.scatter_or_gather(collective, s, d, average, self._calls)
+            self._engine_of_call().scatter_or_gather(collective, s, d, average, self._calls)
 
         scatter_or_gather_in_pieces(run, scatters, src, dst, self.rank, self.world_size,
                                     None if piece is None else piece // src.element_size())
@@ -421,12 +422,21 @@ class Communicator:
             return
         self._calls += 1
         nbytes, in_place = described_bytes(collective, src, dst, self.rank)
-        self._engine.agree(_C.dtype_code(src.dtype), nbytes, mode, average, in_place, collective, self._calls,
-                           src.device)
+        self._engine_of_call().agree(_C.dtype_code(src.dtype), nbytes, mode, average, in_place, collective,
+                                     self._calls, src.device)
 
     def _run(self, src, dst, kernel, average):
         self._calls += 1
-        self._engine.all_reduce(src, dst, kernel, average, self._calls)
+        self._engine_of_call().all_reduce(src, dst, kernel, average, self._calls)
+
+    def _engine_of_call(self):
+        """The engine, for the next step of a call the kernels run; raises when
+        close() or abort() on another thread ended it since the call began."""
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("pyallreduce: this communicator was closed or aborted on another thread during "
+                               "this call; create a new Communicator (or process group) on the ranks that go on")
+        return engine
 
 
 # Communicators still open at interpreter exit are closed (unmapped) there.

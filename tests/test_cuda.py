@@ -799,6 +799,17 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
             getattr(work, order)()
             got = z.cpu()
         assert torch.equal(got, exact_sum(4096, world, torch.float32, salt)), order
+    # A call served in Python (the list form): its Work is backend.py's, which torch's
+    # Python Work trampoline reaches for wait() only; synchronize() must order the stream too.
+    parts = [on_gpu(torch.zeros(4096)) for _ in range(world)]
+    if rank == 1:
+        time.sleep(0.2)
+    work = dist.all_gather(parts, on_gpu(exact_input(4096, rank, torch.float32, 12)), async_op=True)
+    with torch.cuda.stream(side):
+        work.synchronize()
+        got = [p.cpu() for p in parts]
+    for q in range(world):
+        assert torch.equal(got[q], exact_input(4096, q, torch.float32, 12)), "synchronize (Python)"
 
     seg = 1024
     out = on_gpu(torch.zeros(seg))
@@ -807,7 +818,7 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     gathered = on_gpu(torch.zeros(seg * world))
     _dist_all_gather(gathered, on_gpu(exact_input(seg, rank, torch.float32, 8)))
     assert torch.equal(gathered.cpu(), torch.cat([exact_input(seg, q, torch.float32, 8) for q in range(world)]))
-    # After the first call made the Communicator, the rest took the backend's C++ fast path.
+    # After the first call made the Communicator, the contiguous calls took the C++ fast path.
     assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 6
 
     dist.destroy_process_group()  # closes the CUDA communicator with its peers
@@ -821,7 +832,7 @@ def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
     """torch's _abort_process_group on one rank while its kernel waits on the
     device for a peer that never calls, and that peer does not abort with it:
     the abort needs nothing from the peer (a collective close would wait for
-    it through the group), waits for its own kernel (until the group's 5 s
+    it through the group), waits for its own kernel (until the group's 20 s
     deadline), unmaps the peers, and a new group works afterwards."""
     import datetime
 
@@ -833,7 +844,7 @@ def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
     torch.cuda.set_device(0)
     dist.destroy_process_group()  # run_ranks' gloo group
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=5))
+                            timeout=datetime.timedelta(seconds=20))
     x = on_gpu(exact_input(1000, rank, torch.float32, 5))
     dist.all_reduce(x)  # the communicator exists on both ranks
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 5))

@@ -111,14 +111,17 @@ def aborted_wait(rank, world):
     assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
     if rank == world - 1:
         dist.barrier()  # never calls the second collective; waits until the others aborted
+        comm._interrupt()  # abort()'s first half alone: no call starts after it
+        expect(RuntimeError, "this communicator was aborted; create a new Communicator", comm.all_reduce_, x)
     else:
         errors = []
 
         def watchdog():
-            time.sleep(1.0)  # the main thread waits for the last rank by now
+            time.sleep(2.0)  # the main thread waits for the last rank by now
             comm.abort()
 
-        threading.Thread(target=watchdog).start()
+        aborter = threading.Thread(target=watchdog)
+        aborter.start()
         start = time.monotonic()
         try:
             comm.all_reduce(x)
@@ -127,9 +130,10 @@ def aborted_wait(rank, world):
         waited = time.monotonic() - start
         assert len(errors) == 1 and re.search(
             rf"collective call 2 on this communicator was aborted .* rank {rank} waited [0-9.]+ s in the start "
-            rf"barrier for rank\(s\) {world - 1}$", errors[0].split("\n")[0]), errors
+            rf"barrier for rank\(s\) {world - 1}; create a new Communicator", errors[0]), errors
         assert waited < 60, waited  # the deadline is 600 s; the abort is seen within 0.1 s of it
-        assert comm.closed
+        aborter.join(60)
+        assert not aborter.is_alive() and comm.closed
         expect(RuntimeError, "this communicator is closed", comm.all_reduce, x)
         comm.abort()  # twice: nothing
         comm.close()
@@ -143,6 +147,34 @@ def aborted_wait(rank, world):
 @pytest.mark.quick
 def test_abort_ends_a_wait_for_a_peer_without_the_peer():
     run_ranks(aborted_wait, 2, timeout=180)
+
+
+def aborted_between_chunks(rank, world):
+    """abort() on another thread between two chunks of a call (played here
+    by the engine's first chunk calling it): the next chunk raises what
+    happened, a RuntimeError, not an AttributeError of the emptied engine."""
+    comm = make_comm(max_bytes=4 << 10, timeout=5)
+    x = torch.ones(3000)  # 3 chunks of 4 KiB
+    assert torch.equal(comm.all_reduce(x), torch.full((3000,), float(world)))
+    if rank == 0:
+        engine = comm._engine
+        real = engine.all_reduce
+
+        def first_chunk_then_abort(*args):
+            real(*args)
+            comm.abort()
+
+        engine.all_reduce = first_chunk_then_abort
+        expect(RuntimeError, "closed or aborted on another thread during this call; create a new Communicator",
+               comm.all_reduce, x)
+    else:  # rank 0 never comes to the second chunk
+        expect(RuntimeError, r"rank\(s\) 0 never arrived", comm.all_reduce, x)
+        comm.close()
+    dist.barrier()
+
+
+def test_abort_between_chunks_raises_a_runtime_error():
+    run_ranks(aborted_between_chunks, 2, timeout=120)
 
 
 def killed_rank(rank, world, when):

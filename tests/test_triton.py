@@ -931,3 +931,41 @@ def setup_failing_on_one_rank(rank, world):
 
 def test_a_setup_failing_on_one_rank_fails_on_every_rank():
     run_ranks(setup_failing_on_one_rank, 2, timeout=120, env=ENV)
+
+
+def aborted_beside_a_waiting_kernel(rank, world):
+    """abort() from a watchdog thread while this rank's interpreted kernel
+    waits for a peer that never calls: the kernel runs on the calling thread
+    and reads the regions, so abort must wait for it (its deadline) before
+    unmapping them, instead of pulling them from under it (the rank would die
+    of a segfault); then nothing stays mapped and a new communicator works."""
+    import threading
+
+    short = 3.0
+    comm = make_comm(timeout=short)
+    x = torch.ones(64)
+    assert torch.equal(comm.all_reduce(x), torch.full((64,), float(world)))
+    if rank == 0:
+        aborted = []
+
+        def watchdog():
+            time.sleep(1.0)  # the main thread's kernel waits for rank 1 by now
+            comm.abort()
+            aborted.append(time.monotonic())
+
+        t = threading.Thread(target=watchdog)
+        t.start()
+        expect_deadline(lambda: comm.all_reduce(x), "start", "1", short)
+        t.join(60)
+        assert not t.is_alive() and comm.closed and aborted
+    dist.barrier()  # rank 1 never made the call
+    if rank == 1:
+        comm.abort()
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if "/pyallreduce-" in line], "a segment stays mapped after abort()"
+    with make_comm() as fresh:
+        assert torch.equal(fresh.all_reduce(x), torch.full((64,), float(world)))
+
+
+def test_abort_waits_for_an_interpreted_kernel_instead_of_unmapping_under_it():
+    run_ranks(aborted_beside_a_waiting_kernel, 2, timeout=120, env=ENV)

@@ -80,7 +80,8 @@ int64_t register_context(std::unique_ptr<Context> ctx);
 // process exits, and no new context takes its address.
 void destroy_context(int64_t handle, bool keep_alive = false);
 std::shared_ptr<Context> get_context(int64_t handle);
-// Sets the context's `aborted`; nothing for a handle already destroyed.
+// Sets the context's `aborted` and waits until no call of it is in flight;
+// nothing for a handle already destroyed.
 void abort_context(int64_t handle);
 
 // Holds ctx.in_flight for one collective and refuses a broken or busy context.

@@ -126,6 +126,7 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_wait_for_launches", [](int device, int64_t launched, bool captured) {
           wait_until_unused(device, reinterpret_cast<cudaEvent_t>(launched), captured);
         }, py::arg("device"), py::arg("launched_event"), py::arg("captured"),
+        py::call_guard<py::gil_scoped_release>(),  // up to the kernels' deadline: other threads run meanwhile
         "waits until no kernel of a communicator may still run: the event its last eager launch recorded "
         "(0: none), or every stream of the device once its kernels were captured");
   m.def("cuda_memcpy", [](int device, int64_t dst, int64_t src, int64_t nbytes) {

@@ -6,6 +6,7 @@ a GPU one communicator's launches run one after another whatever stream each
 is on (csrc/cuda/call_plan.h LaunchOrder)."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -33,6 +34,9 @@ class TritonEngine:
         self._broken_reason = None
         self._last_stream, self._launched = None, None  # the launch order on a GPU
         self._captured = False  # a launch went into a CUDA graph, which may replay on any stream
+        # Held by a launch and by close(): a close on another thread (abort()) waits for a
+        # launch in progress, and for an interpreted kernel, which runs inside its launch.
+        self._launching = threading.Lock()
         set_up_on_every_rank(self, group, lambda: triton_kernels.prepare(self.transport.regions, device))
 
     @classmethod
@@ -92,17 +96,22 @@ class TritonEngine:
         self._broken_reason = "it was aborted"
 
     def close(self, sync):
-        regions = list(self.transport.regions)  # close() empties them
-        try:
-            self.wait_until_unused()
-            waited = True
-        except Exception:  # the transport's close raises it or parks: so do the kernels' tables
-            waited = False
-        self.transport.close(sync=sync)
-        if waited:
-            triton_kernels.release(regions, self.device)
+        with self._launching:
+            regions = list(self.transport.regions)  # close() empties them
+            try:
+                self.wait_until_unused()
+                waited = True
+            except Exception:  # the transport's close raises it or parks: so do the kernels' tables
+                waited = False
+            self.transport.close(sync=sync)
+            if waited:
+                triton_kernels.release(regions, self.device)
 
     def _launch(self, fn, *args, **kwargs):
+        with self._launching:
+            self._launch_now(fn, *args, **kwargs)
+
+    def _launch_now(self, fn, *args, **kwargs):
         if self._broken_reason is not None:
             raise RuntimeError(f"pyallreduce: this communicator is unusable after an earlier failure "
                                f"({self._broken_reason}); close() it and create a new Communicator on every rank")
