@@ -230,7 +230,7 @@ class Communicator:
         self._close(sync=False)
 
     def _interrupt(self):
-        """abort()'s first half: a call waiting on another thread gives up, none starts."""
+        """abort()'s first half: a call waiting on another thread gives up, none starts (Engine.interrupt)."""
         engine = self._engine  # read once: a close() on another thread may clear it
         if engine is not None:
             engine.interrupt()

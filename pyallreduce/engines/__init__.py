@@ -63,9 +63,11 @@ class Engine(Protocol):
     def close(self, sync: bool) -> None: ...
 
     def interrupt(self) -> None:
-        """From any thread: a host wait of this engine in progress gives up and
-        raises, and no later call starts (Communicator.abort). A kernel already
-        launched is not reached: it ends when its peers arrive or at its deadline."""
+        """From any thread (Communicator.abort): a host wait of this engine in
+        progress gives up and raises, and no later call starts; the C++
+        engines return once no call is in flight. A kernel already launched is
+        not reached: it ends when its peers arrive or at its deadline, and
+        close() waits for it."""
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -133,7 +133,7 @@ MUTANTS = [
      [("csrc/backend.cpp", "  void synchronize() override { work_->wait(); }", "  void synchronize() override { work_->synchronize(); }")],
      "emulated", [TEST_CUDA, "-k", "backend_with_cuda_tensors"], {}),
     ("torch's abort of a group closing its CUDA communicator collectively (with peers that never call it)",
-     [("pyallreduce/backend.py", 'self._release("abort", "abort")', 'self._release("close", "shutdown")')],
+     [("pyallreduce/backend.py", '_logged(comm.abort, "aborting its communicator")', 'comm.close()')],
      "emulated", [TEST_CUDA, "-k", "backend_abort"], {}),
     ("the Triton status record and region table made at the first call, with no capture check (the review's bug 3)",
      [("pyallreduce/engines/triton.py", "lambda: triton_kernels.prepare(self.transport.regions, device))\n",
