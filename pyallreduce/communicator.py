@@ -224,13 +224,14 @@ class Communicator:
         short on a GPU: a kernel already launched (CUDA, Triton) runs until
         its peers arrive or its deadline, and abort waits for it; a call inside
         a torch.distributed fallback ends with that collective. Then it closes
-        as after an error (see close()). Safe to call twice, and after close().
+        as after an error (see close()), which is what it is: an exception
+        inside `with Communicator(...)`, garbage collection and process exit
+        interrupt such calls too. Safe to call twice, and after close().
         """
-        self._interrupt()
         self._close(sync=False)
 
     def _interrupt(self):
-        """abort()'s first half: a call waiting on another thread gives up, none starts (Engine.interrupt)."""
+        """A call waiting on another thread gives up, none starts (Engine.interrupt), without closing."""
         engine = self._engine  # read once: a close() on another thread may clear it
         if engine is not None:
             engine.interrupt()
@@ -242,6 +243,8 @@ class Communicator:
         _live.discard(self)
         engine, self._engine, self._handle = self._engine, None, None
         if engine is not None:
+            if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
+                engine.interrupt()
             engine.close(sync)
 
     @property

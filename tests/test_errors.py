@@ -149,6 +149,39 @@ def test_abort_ends_a_wait_for_a_peer_without_the_peer():
     run_ranks(aborted_wait, 2, timeout=180)
 
 
+def exits_beside_a_waiting_daemon_thread(rank, world):
+    """A daemon thread still waits for a peer when the process exits: the
+    close at exit (the atexit hook, called here: run_ranks' children end with
+    os._exit) interrupts it instead of waiting for its deadline (600 s)."""
+    from pyallreduce.communicator import _close_all
+
+    comm = make_comm(timeout=600)
+    x = torch.ones(100)
+    assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
+    if rank == 0:
+        errors = []
+
+        def daemon():
+            try:
+                comm.all_reduce(x)  # rank 1 never calls
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        thread = threading.Thread(target=daemon, daemon=True)
+        thread.start()
+        time.sleep(2.0)  # it waits for rank 1 by now
+        start = time.monotonic()
+        _close_all()
+        assert time.monotonic() - start < 60 and comm.closed
+        thread.join(60)
+        assert not thread.is_alive() and len(errors) == 1 and "or at exit) after rank 0 waited" in errors[0], errors
+    dist.barrier()  # gloo, outside the communicator
+
+
+def test_the_close_at_exit_interrupts_a_daemon_thread_waiting_for_a_peer():
+    run_ranks(exits_beside_a_waiting_daemon_thread, 2, timeout=120)
+
+
 def aborted_between_chunks(rank, world):
     """abort() on another thread between two chunks of a call (played here
     by the engine's first chunk calling it): the next chunk raises what

@@ -200,6 +200,9 @@ class FakeCuda:
     def destroy_context(self, handle, keep_alive=False):
         self.events.append(("destroy",))
 
+    def abort_context(self, handle):
+        self.events.append(("interrupt",))  # a close without the peers (sync=False) interrupts first
+
     def closed(self):
         return [e[1] for e in self.events if e[0] == "close"]
 
@@ -427,8 +430,10 @@ def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how
             assert kinds[-1] == "free" and kinds.count("gather") == 2 and kinds.count("close") == 1, events
             assert all(e == ("gather", clear_returns_tensors) for e in events if e[0] == "gather"), \
                 "the captured input is held through both barriers"
-            assert not alive and parked == []
+            assert not alive and parked == [] and "interrupt" not in kinds
         else:
             assert "free" not in kinds and "gather" not in kinds, events
+            assert kinds.index("interrupt") < kinds.index("sync"), "a call of another thread must end first"
+
             assert alive == clear_returns_tensors
             assert parked == [(memory(rank, 0), int(clear_returns_tensors))], "the region (and input) are parked"
