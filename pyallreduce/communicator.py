@@ -243,9 +243,11 @@ class Communicator:
         _live.discard(self)
         engine, self._engine, self._handle = self._engine, None, None
         if engine is not None:
-            if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
-                engine.interrupt()
-            engine.close(sync)
+            try:
+                if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
+                    engine.interrupt()
+            finally:
+                engine.close(sync)
 
     @property
     def closed(self):

@@ -35,9 +35,10 @@ struct Context {
   // epochs are then out of step across ranks, so every later call must refuse.
   std::atomic<bool> broken{false};
   std::string broken_reason;
-  // Set by abort_context (Communicator.abort, torch.distributed's abort of the
-  // process group) from any thread: a host wait in progress gives up at its
-  // next clock check (within kLivenessCheckPeriod), and no later call starts.
+  // Set by abort_context (Communicator.abort and every close without the
+  // peers; torch.distributed's abort of the process group) from any thread: a
+  // host wait in progress gives up at its next clock check (within
+  // kLivenessCheckPeriod), and no later call starts.
   std::atomic<bool> aborted{false};
   // Set by destroy_context under in_flight: a thread that fetched the context
   // just before close() must not touch the (soon unmapped) regions.
