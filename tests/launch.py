@@ -43,6 +43,13 @@ def wait_for_file(path, timeout_s=120.0):
         time.sleep(0.05)
 
 
+def own_segments_mapped():
+    """This process's mappings of our shared-memory segments."""
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in maps if "/pyallreduce-" in line]
+
+
 def _rank_main(fn, rank, world_size, port, env, report, args):
     os.environ.clear()  # the server's environment is that of when it started
     os.environ.update(env)

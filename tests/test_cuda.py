@@ -822,6 +822,13 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 6
 
     dist.destroy_process_group()  # closes the CUDA communicator with its peers
+    assert_a_new_gpu_group_sums(rank, world, store_file)
+
+
+def assert_a_new_gpu_group_sums(rank, world, store_file):
+    """After the group ended: a new "pyallreduce" group starts and sums CUDA tensors exactly."""
+    import torch.distributed as dist
+
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)
     again = on_gpu(exact_input(300, rank, torch.float32, 9))
     dist.all_reduce(again)
@@ -860,10 +867,7 @@ def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
         _abort_process_group()
     assert not dist.is_initialized()
     assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after the abort"
-    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}.2", rank=rank, world_size=world)
-    again = on_gpu(exact_input(300, rank, torch.float32, 9))
-    dist.all_reduce(again)
-    assert torch.equal(again.cpu(), exact_sum(300, world, torch.float32, 9))
+    assert_a_new_gpu_group_sums(rank, world, store_file)
 
 
 # ---- many calls back to back ---------------------------------------------------------

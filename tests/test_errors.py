@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import run_ranks
+from launch import own_segments_mapped, run_ranks
 from reference import exact_input, exact_sum
 
 
@@ -322,13 +322,6 @@ def test_segments_are_private_and_exclusive():
         _C.shm_unmap(addr, 8192)
         assert _C.shm_remove(name)
     assert not _C.shm_remove(name)  # already gone is not an error
-
-
-def own_segments_mapped():
-    """This process's mappings of our shared-memory segments."""
-    with open("/proc/self/maps") as maps:
-        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                for line in maps if "/pyallreduce-" in line]
 
 
 # What fails, on which rank, and what every rank then raises.

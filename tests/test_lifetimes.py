@@ -434,6 +434,5 @@ def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how
         else:
             assert "free" not in kinds and "gather" not in kinds, events
             assert kinds.index("interrupt") < kinds.index("sync"), "a call of another thread must end first"
-
             assert alive == clear_returns_tensors
             assert parked == [(memory(rank, 0), int(clear_returns_tensors))], "the region (and input) are parked"
