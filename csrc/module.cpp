@@ -63,7 +63,7 @@ std::shared_ptr<Context> get_context(int64_t handle) {
   return it->second;
 }
 
-void abort_context(int64_t handle) {
+void abort_context(int64_t handle, bool end_kernels) {
   std::shared_ptr<Context> ctx;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -72,9 +72,15 @@ void abort_context(int64_t handle) {
     ctx = it->second;
   }
   ctx->aborted.store(true);
+#ifdef PYALLREDUCE_WITH_CUDA
+  // Before the wait below: a call in flight may be waiting for its kernel (an agreement round).
+  if (end_kernels && ctx->is_cuda) cuda_interrupt(*ctx);
+#endif
   // Then waits for a call already past its guard (a host wait gives up at its
-  // next look; a CUDA call returns once launched): afterwards none runs and
-  // none starts, so every launch is in the launch chain close() waits for.
+  // next look; a CUDA call returns once launched, or, waiting for its kernel,
+  // once that ends): afterwards none runs and none starts, so every launch is
+  // in the launch chain close() waits for (with end_kernels, each gives up
+  // waiting within kAbortLookNs).
   std::lock_guard<std::mutex> sealed(ctx->in_flight);
 }
 
@@ -394,6 +400,8 @@ PYBIND11_MODULE(_C, m) {
   using namespace pyallreduce;
   m.doc() = "pyallreduce kernels, op schemas and protocol constants";
   m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("ABORT_LOOK_NS") = kAbortLookNs;
+  m.attr("ABORTED_BY") = kAbortedBy;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("START_FLAGS_OFFSET") = kStartFlagsOffset;
@@ -425,7 +433,8 @@ PYBIND11_MODULE(_C, m) {
   // Both wait for a call in flight on another thread, which may need the GIL to finish.
   m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false,
         py::call_guard<py::gil_scoped_release>());
-  m.def("abort_context", &abort_context, py::arg("handle"), py::call_guard<py::gil_scoped_release>());
+  m.def("abort_context", &abort_context, py::arg("handle"), py::arg("end_kernels"),
+        py::call_guard<py::gil_scoped_release>());
   // The GIL is released while the ranks wait for each other, as torch.ops calls do.
   m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),

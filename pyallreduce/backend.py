@@ -307,7 +307,7 @@ class PyallreduceBackend(_C.ServingBackend):
         what fails is logged and the rest still ends. First what may keep a
         call of another thread waiting: the inner backends (an NCCL kernel our
         next kernel queues behind; gloo's abort does nothing) and a served call
-        waiting for a peer, which holds the turn (Communicator.abort). Then,
+        or kernel waiting for a peer, which holds the turn (Communicator.abort). Then,
         under the turn, every communicator closes as after an error. (A call
         inside a gloo collective, such as a communicator's construction, holds
         the turn until that ends: gloo cannot be aborted.)"""

@@ -220,23 +220,25 @@ class Communicator:
         a rank that gives up on a peer (a watchdog, a fault-tolerant trainer;
         torch.distributed's abort of a "pyallreduce" group calls it). A CPU
         call waiting for a peer on another thread raises within about 0.1 s,
-        and no call starts after it. Unlike ncclCommAbort it cuts nothing
-        short on a GPU: a kernel already launched (CUDA, Triton) runs until
-        its peers arrive or its deadline, and abort waits for it; a call inside
-        a torch.distributed fallback ends with that collective. Then it closes
+        a CUDA kernel waiting for one gives up within milliseconds, as with
+        ncclCommAbort (not in the last barrier of a zero-copy call, which
+        protects the peers' in-place reads; compiled Triton kernels wait for
+        their deadline), and no call starts after it; a call inside a
+        torch.distributed fallback ends with that collective. Then it closes
         as after an error (see close()), which is what it is: an exception
         inside `with Communicator(...)`, garbage collection and process exit
-        interrupt such calls too. Safe to call twice, and after close().
+        interrupt such calls too (not kernels: their peers may be only late).
+        Safe to call twice, and after close().
         """
-        self._close(sync=False)
+        self._close(sync=False, end_kernels=True)
 
     def _interrupt(self):
-        """A call waiting on another thread gives up, none starts (Engine.interrupt), without closing."""
+        """abort()'s first half: a call or kernel waiting gives up, none starts (Engine.interrupt)."""
         engine = self._engine  # read once: a close() on another thread may clear it
         if engine is not None:
-            engine.interrupt()
+            engine.interrupt(end_kernels=True)
 
-    def _close(self, sync):
+    def _close(self, sync, end_kernels=False):
         if self._closed:
             return
         self._closed = True
@@ -245,7 +247,7 @@ class Communicator:
         if engine is not None:
             try:
                 if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
-                    engine.interrupt()
+                    engine.interrupt(end_kernels)
             finally:
                 engine.close(sync)
 

@@ -27,7 +27,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ] && .venv/bin/python -c "import 
 else
   # CUDA kernels are built whenever a toolkit is found (setup.py finds the real CUDA
   # home behind a wrapper nvcc); no GPU is needed to build or import.
-  MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^ *$" || true
-  mkdir -p build && echo "$inputs" > "$stamp"
+  # The stamp only after a build that succeeded (pipefail: pip's status, not grep's).
+  mkdir -p build && rm -f "$stamp"
+  MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e . 2>&1 | { grep -v "^ *$" || true; }
+  echo "$inputs" > "$stamp"
 fi
 .venv/bin/python -c "import pyallreduce, pyallreduce._C as C; print('pyallreduce built; CUDA kernels:', C.WITH_CUDA)"

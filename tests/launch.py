@@ -43,6 +43,29 @@ def wait_for_file(path, timeout_s=120.0):
         time.sleep(0.05)
 
 
+def raises_when_a_watchdog_aborts(comm, call, pattern, after_s=3.0, bound_s=60.0):
+    """Runs call(), which waits for a peer that never comes, while a watchdog
+    thread runs comm.abort() after_s into it: the call must raise a
+    RuntimeError matching `pattern`, the abort return and close comm, all
+    within bound_s, far below the deadlines the tests give (an abort that
+    waited for one fails here)."""
+    import re
+    import threading
+
+    watchdog = threading.Timer(after_s, comm.abort)
+    start = time.monotonic()
+    watchdog.start()
+    try:
+        call()
+        raise AssertionError("the call returned although the abort ended it")
+    except RuntimeError as e:
+        assert re.search(pattern, str(e)), f"{pattern!r} not in: {e}"
+    watchdog.join(bound_s)
+    ended_in = time.monotonic() - start
+    assert not watchdog.is_alive() and comm.closed, "the abort did not return, or left the communicator open"
+    assert ended_in < bound_s, f"the call and the abort took {ended_in:.0f} s: the abort did not end the wait"
+
+
 def own_segments_mapped():
     """This process's mappings of our shared-memory segments."""
     with open("/proc/self/maps") as maps:

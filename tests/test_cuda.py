@@ -25,7 +25,7 @@ from pyallreduce import _C  # noqa: E402
 if not _C.WITH_CUDA:
     pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
 
-from launch import run_ranks, wait_for_file  # noqa: E402
+from launch import raises_when_a_watchdog_aborts, run_ranks, wait_for_file  # noqa: E402
 from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input, tolerance  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
@@ -835,12 +835,45 @@ def assert_a_new_gpu_group_sums(rank, world, store_file):
     assert torch.equal(again.cpu(), exact_sum(300, world, torch.float32, 9))
 
 
+def check_abort_ends_waiting_kernels(rank, world):
+    """comm.abort() from a watchdog thread while this rank's kernels wait on
+    the device for a peer that never calls: an eager all-reduce's, and behind
+    it the agreement round of a float64 call (bound for torch.distributed),
+    which the calling thread waits for. Both give up within about
+    ABORT_LOOK_NS instead of at their 600 s deadline; the waiting call raises
+    that the communicator was aborted, naming the missing rank. The peer
+    aborts later with nothing in flight; nothing stays mapped; a new
+    communicator sums exactly."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    comm = make_comm(timeout=600)
+    x = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    assert torch.equal(comm.all_reduce(x).cpu(), exact_sum(1000, world, torch.float32, 5))
+    if rank == 0:
+        wide = on_gpu(torch.ones(8, dtype=torch.float64))  # before: a copy on the stream would wait for the kernel
+        comm.all_reduce_(x)  # launched: its kernel waits for rank 1, which never calls
+        raises_when_a_watchdog_aborts(comm, lambda: comm.all_reduce(wide),
+                                      r"collective call 2 on this communicator was aborted \(Communicator\.abort\(\).*\) "
+                                      r"while rank 0's kernel waited in the start barrier \(block \d+, epoch \d+\) "
+                                      r"for rank\(s\) 1; create a new Communicator")
+        torch.cuda.synchronize()
+    dist.barrier()  # rank 1 never made the calls
+    if rank == 1:
+        comm.abort()
+    assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after the abort"
+    y = on_gpu(exact_input(1000, rank, torch.float32, 6))
+    with make_comm() as fresh:
+        assert torch.equal(fresh.all_reduce(y).cpu(), exact_sum(1000, world, torch.float32, 6))
+
+
 def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
     """torch's _abort_process_group on one rank while its kernel waits on the
     device for a peer that never calls, and that peer does not abort with it:
     the abort needs nothing from the peer (a collective close would wait for
-    it through the group), waits for its own kernel (until the group's 20 s
-    deadline), unmaps the peers, and a new group works afterwards."""
+    it through the group), ends its own kernel's wait (long before the
+    group's 600 s deadline), unmaps the peers, and a new group works
+    afterwards."""
     import datetime
 
     import torch.distributed as dist
@@ -851,7 +884,7 @@ def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
     torch.cuda.set_device(0)
     dist.destroy_process_group()  # run_ranks' gloo group
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=600))
     x = on_gpu(exact_input(1000, rank, torch.float32, 5))
     dist.all_reduce(x)  # the communicator exists on both ranks
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 5))
@@ -1184,6 +1217,10 @@ def test_capture_left_inside_the_graph_capture():
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
+
+
+def test_abort_ends_waiting_kernels():
+    run_ranks(check_abort_ends_waiting_kernels, 2, timeout=240)
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),

@@ -200,8 +200,8 @@ class FakeCuda:
     def destroy_context(self, handle, keep_alive=False):
         self.events.append(("destroy",))
 
-    def abort_context(self, handle):
-        self.events.append(("interrupt",))  # a close without the peers (sync=False) interrupts first
+    def abort_context(self, handle, end_kernels):
+        self.events.append(("interrupt", end_kernels))  # a close without the peers (sync=False) interrupts first
 
     def closed(self):
         return [e[1] for e in self.events if e[0] == "close"]
@@ -411,6 +411,8 @@ def close_communicator(rank, world, fake, cuda_ipc, how, clear_returns_tensors):
         mp.setattr(cuda_ipc, "gather", gather)
         if how == "close":
             comm.close()
+        elif how == "abort":
+            comm.abort()
         else:
             with pytest.raises(ValueError):
                 with comm:
@@ -420,7 +422,7 @@ def close_communicator(rank, world, fake, cuda_ipc, how, clear_returns_tensors):
 
 
 @pytest.mark.parametrize("clear_returns_tensors", [True, False], ids=["clear_returns_tensors", "clear_returns_nothing"])
-@pytest.mark.parametrize("how", ["close", "exception"])
+@pytest.mark.parametrize("how", ["close", "exception", "abort"])
 def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how, clear_returns_tensors):
     results = run_ranks(close_communicator, 2, how, clear_returns_tensors, timeout=TIMEOUT)
     for rank, (events, alive, parked) in enumerate(results):
@@ -434,5 +436,7 @@ def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how
         else:
             assert "free" not in kinds and "gather" not in kinds, events
             assert kinds.index("interrupt") < kinds.index("sync"), "a call of another thread must end first"
+            # Its kernels only on an abort: an error inside `with` is no reason to drop pending results.
+            assert ("interrupt", how == "abort") in events, events
             assert alive == clear_returns_tensors
             assert parked == [(memory(rank, 0), int(clear_returns_tensors))], "the region (and input) are parked"

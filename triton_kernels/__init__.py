@@ -14,7 +14,7 @@ from pyallreduce.protocol import is_own_segment, not_reduced_reason, overlaps, p
 
 from . import one_shot, scatter_gather, signal, two_shot
 
-__all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "prepare", "reduce_scatter", "release"]
+__all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "interrupt", "prepare", "reduce_scatter", "release"]
 
 
 class CallMismatch(RuntimeError):
@@ -55,9 +55,21 @@ def prepare(regions, device):
 
 def _new_generation(status, generation):
     """Clears the status record for its next generation (signal.py: a failing
-    program claims the record when the claim word is below it)."""
-    status.zero_()
+    program claims the record when the claim word is below it); an abort
+    (STATUS_ABORTED, the last word) stays."""
+    status[:signal.STATUS_ABORTED.value].zero_()
     status[signal.STATUS_GENERATION.value] = generation
+
+
+def interrupt(regions, device):
+    """An interpreted kernel on these regions waiting for a peer gives up at
+    its next round, as at its deadline, and records CODE_ABORTED (signal.py
+    STATUS_ABORTED; a compiled one does not look yet: wait_peers): for an
+    abort (Communicator.abort(), torch.distributed's abort of the group).
+    From any thread; never waits. Nothing to do before prepare()."""
+    args = _device_args.get((tuple(regions), torch.device(device)))
+    if args is not None:
+        args[2][signal.STATUS_ABORTED.value] = 1  # a plain host store: the interpreted kernel sees it at its next load
 
 
 def release(regions, device):
@@ -252,9 +264,9 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
 
 def _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=True):
     """Raises what a program recorded in the status record, if anything (only
-    a deadline when not mismatch_too; signal.py explains the record).
+    a deadline or an abort when not mismatch_too; signal.py explains the record).
 
-    A deadline raises RuntimeError and stays recorded: the ranks' epochs are
+    A deadline or an abort raises RuntimeError and stays recorded: the ranks' epochs are
     out of step, the communicator is broken. A mismatch raises CallMismatch
     naming the first skipped call and how many followed, once no kernel on
     these regions can still write the record: on a GPU the current stream is
@@ -287,6 +299,11 @@ def _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatc
                                                longs[signal.STATUS_LAST_CALL64.value]))
     barrier = signal.BARRIER_NAMES.get(words[signal.STATUS_BARRIER.value], "?")
     missing = " ".join(str(q) for q in signal.missing_ranks(words[signal.STATUS_MISSING.value], world_size))
+    if code == signal.CODE_ABORTED.value:
+        raise RuntimeError(
+            f"pyallreduce: collective call {failed_call} on this communicator was aborted ({_C.ABORTED_BY}) while "
+            f"rank {rank}'s Triton program {words[signal.STATUS_PROGRAM.value]} waited in the {barrier} barrier for "
+            f"rank(s) {missing}; create a new Communicator (or process group) on the ranks that go on")
     raise RuntimeError(
         f"pyallreduce: rank {rank} waited past its {timeout_s:g} s deadline in the {barrier} barrier of "
         f"collective call {failed_call} on this communicator (Triton program {words[signal.STATUS_PROGRAM.value]}); "

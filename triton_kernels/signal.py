@@ -111,10 +111,16 @@ STATUS_CALL64 = tl.constexpr(3)    # int64 word 3 (int32 words 6, 7): the user's
 STATUS_DESCS64 = tl.constexpr(4)   # int64 words 4 + 2q, 5 + 2q: rank q's descriptor as read (mismatch)
 STATUS_LAST_CALL64 = tl.constexpr(4 + 2 * _C.MAX_RANKS)  # int64 word: the last mismatched call's number
 STATUS_MISMATCHES = tl.constexpr(2 * (5 + 2 * _C.MAX_RANKS))  # mismatched calls since the host cleared the record
+# Set to 1 by the host (triton_kernels.interrupt: Communicator.abort(),
+# torch.distributed's abort of the group) and never cleared: the last word, so that clearing the
+# record (the words before it) cannot race with it. An interpreted wait reads
+# it and gives up as at its deadline (wait_peers: not yet a compiled one).
+STATUS_ABORTED = tl.constexpr(2 * (5 + 2 * _C.MAX_RANKS) + 1)
 STATUS_WORDS = 2 * (6 + 2 * _C.MAX_RANKS)
 CODE_OK = 0
 CODE_DEADLINE = tl.constexpr(1)  # a rank never arrived: epochs are out of step
 CODE_MISMATCH = tl.constexpr(2)  # descriptors differ: nothing written, epochs in step
+CODE_ABORTED = tl.constexpr(3)   # a wait gave up because the host set STATUS_ABORTED: out of step too
 
 
 if INTERPRET:
@@ -229,10 +235,13 @@ def record_failure(status_ptr, claim_ptr, code: tl.constexpr, barrier_id, pid, e
         q = tl.arange(0, RANK_LANES)[:, None]
         k = tl.arange(0, 2)[None, :]
         tl.store(words + STATUS_DESCS64 + 2 * q + k, descs, mask=(q < WORLD_SIZE) & (k < 2))
+        value = tl.full((), code, tl.int32)
+        if _INTERPRET and code == CODE_DEADLINE:  # a wait that gave up because of an abort (or after one) says so
+            value = tl.where(tl.load(status_ptr + STATUS_ABORTED) != 0, CODE_ABORTED, value)
         # Code last, after a CTA barrier: whichever thread's release store the
         # host sees, the fields above (one thread's plain stores) precede it.
         tl.debug_barrier()
-        store_release((status_ptr + STATUS_CODE).to(tl.int64), tl.full((), code, tl.int32))
+        store_release((status_ptr + STATUS_CODE).to(tl.int64), value)
 
 
 @triton.jit
@@ -265,7 +274,15 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
     """Spins until flags[pid][q] of this rank's region (own_base: its address)
     has reached e for every q < WORLD_SIZE, acquire at system scope; returns
     True then. Past timeout_ns it records the missing ranks in the status
-    record and returns False.
+    record and returns False. Under the interpreter it also gives up once
+    the host has aborted the communicator (STATUS_ABORTED, read every round:
+    a host read there); every call here is staged, so any barrier may give
+    up: peers read only our region, which no call rewrites after an abort and
+    which stays allocated. Compiled for a GPU it does not look (yet): every
+    form of the look tried (in the spin, every round or by the clock; in an
+    outer loop once a millisecond) made ptxas trade registers for spills in
+    two-shot's data loop (tests/test_triton_targets.py), so an abort there
+    waits for the kernel's deadline.
 
     One decision per program. Each thread loads the flags and reads the clock
     itself, so at the deadline instant two warps could see different things
@@ -285,11 +302,12 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
     reached = q >= WORLD_SIZE
     state = tl.full((), WAITING, tl.int32)
     if _INTERPRET:
-        # An earlier program of this launch already missed its deadline: the
-        # call has failed, do not wait a second time. (A mismatch recorded by an
-        # earlier program does not count: this program still has to meet its
-        # peers to stay in step.)
-        state = tl.where(tl.load(status_ptr + STATUS_CODE) == CODE_DEADLINE, LATE, WAITING)
+        # An earlier program of this launch already gave up (a deadline, an
+        # abort): the call has failed, do not wait a second time. (A mismatch
+        # recorded by an earlier program does not count: this program still has
+        # to meet its peers to stay in step.)
+        code = tl.load(status_ptr + STATUS_CODE)
+        state = tl.where((code == CODE_DEADLINE) | (code == CODE_ABORTED), LATE, WAITING)
     while state == WAITING:
         seen = load_acquire(flags)
         # "Reached" is seen - e in {0, 1} (protocol.h, epoch_reached): a peer may
@@ -298,7 +316,10 @@ def wait_peers(own_base, flags_offset: tl.constexpr, pid, rank, e, timeout_ns, s
         ahead = seen - e
         reached = ((ahead == 0) | (ahead == 1)) | ~live
         arrived = tl.min(reached.to(tl.int32), axis=0) == 1
-        votes = tl.where(arrived, ARRIVED, tl.where(lane_clock_ns(vote_lanes) > deadline, LATE, WAITING))
+        late = lane_clock_ns(vote_lanes) > deadline
+        if _INTERPRET:  # (see the docstring: not compiled for a GPU)
+            late = late | (tl.load(status_ptr + STATUS_ABORTED) != 0)
+        votes = tl.where(arrived, ARRIVED, tl.where(late, LATE, WAITING))
         state = tl.max(votes, axis=0)
     if state == LATE:
         missing = tl.sum(tl.where(reached, 0, 1 << q), axis=0)

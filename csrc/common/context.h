@@ -17,6 +17,11 @@
 
 namespace pyallreduce {
 
+// Who ends a communicator without its peers, for the error of a call that
+// gave up waiting because of it (every backend's, Python's through _C).
+constexpr const char* kAbortedBy =
+    "Communicator.abort(), torch.distributed's abort of its process group, or a close after an error or at exit";
+
 struct Context {
   int rank = 0;
   int world_size = 1;
@@ -38,7 +43,8 @@ struct Context {
   // Set by abort_context (Communicator.abort and every close without the
   // peers; torch.distributed's abort of the process group) from any thread: a
   // host wait in progress gives up at its next clock check (within
-  // kLivenessCheckPeriod), and no later call starts.
+  // kLivenessCheckPeriod), and no later call starts. An abort also ends a
+  // CUDA kernel's wait within kAbortLookNs (the status record's `aborted`).
   std::atomic<bool> aborted{false};
   // Set by destroy_context under in_flight: a thread that fetched the context
   // just before close() must not touch the (soon unmapped) regions.
@@ -82,8 +88,9 @@ int64_t register_context(std::unique_ptr<Context> ctx);
 void destroy_context(int64_t handle, bool keep_alive = false);
 std::shared_ptr<Context> get_context(int64_t handle);
 // Sets the context's `aborted` and waits until no call of it is in flight;
-// nothing for a handle already destroyed.
-void abort_context(int64_t handle);
+// nothing for a handle already destroyed. end_kernels (an abort, not every
+// close without the peers): its CUDA kernels waiting for a peer give up too.
+void abort_context(int64_t handle, bool end_kernels);
 
 // Holds ctx.in_flight for one collective and refuses a broken or busy context.
 class CollectiveGuard {

@@ -78,6 +78,12 @@ constexpr int64_t kSleepOffset = kDescOffset + kDescArrayBytes;
 constexpr int64_t kSignalBytes = kSleepOffset + 64;
 constexpr int64_t kDataOffset = (kSignalBytes + kAlignment - 1) / kAlignment * kAlignment;
 
+// How often a GPU kernel's wait (CUDA and Triton), once it has lasted this
+// long, reads its communicator's "aborted" word in pinned host memory: an
+// abort ends a waiting kernel within about this long, and a wait whose peers
+// arrive in time never reads host memory.
+constexpr int64_t kAbortLookNs = 1000000;
+
 // Algorithm ids as passed to the custom op (pyallreduce/communicator.py maps names).
 constexpr int64_t kOneShot = 0;
 constexpr int64_t kTwoShot = 1;

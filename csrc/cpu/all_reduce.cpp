@@ -171,8 +171,7 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
       }
       double waited = std::chrono::duration<double>(Clock::now() - start).count();
       TORCH_CHECK(!aborted, "pyallreduce: collective call ", ctx.calls, " on this communicator was aborted (",
-                  "Communicator.abort(), torch.distributed's abort of its process group, or a close after an error ",
-                  "or at exit) after rank ", ctx.rank,
+                  kAbortedBy, ") after rank ", ctx.rank,
                   " waited ", waited, " s in the ", where, " barrier for rank(s)", missing.str(),
                   "; create a new Communicator (or process group) on the ranks that go on");
       TORCH_CHECK(false, "pyallreduce: rank ", ctx.rank, " waited ", waited, " s in the ", where,

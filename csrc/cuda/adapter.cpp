@@ -100,6 +100,8 @@ void cuda_check(Context& ctx) {
   cuda::check(ctx, current_stream(ctx.device));
 }
 
+void cuda_interrupt(const Context& ctx) { cuda::interrupt(ctx); }
+
 bool cuda_current_stream_capturing(int device) { return cuda::is_capturing(current_stream(device)); }
 
 void bind_cuda(py::module_& m) {

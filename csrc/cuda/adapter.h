@@ -15,6 +15,10 @@ struct Context;
 // and raises what they recorded (cuda::check) on the current stream.
 void cuda_check(Context& ctx);
 
+// abort_context's part on CUDA: the communicator's kernels stop waiting for
+// peers (cuda::interrupt). Never waits.
+void cuda_interrupt(const Context& ctx);
+
 // Whether the current stream of `device` is capturing a CUDA graph.
 bool cuda_current_stream_capturing(int device);
 

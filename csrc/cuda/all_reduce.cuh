@@ -54,6 +54,7 @@ struct KernelArgs {
   const GraphEntry* graph_entry;  // nullptr: the buffers above are final
   CallStatus* status;
   uint32_t* claim;
+  uint32_t* gave_up;
   uint64_t desc_bytes;
   int64_t call_number;
   int rank;
@@ -107,16 +108,22 @@ __device__ __forceinline__ uint32_t* flag_ptr(char* region, int64_t array_offset
 // start_flags (the zero-copy end barrier) consume two epochs: that barrier
 // waits for e + 1, so it can never be satisfied by the start barrier's e.
 // Consecutive launches on one stream are ordered, so plain accesses suffice.
-__device__ __forceinline__ uint32_t advance_epoch(char* own_region, uint32_t epochs_used) {
+// Returns false, advancing nothing, once a wait of the communicator gave up
+// (Call::gave_up): the kernel must then return at once.
+__device__ __forceinline__ bool advance_epoch(const KernelArgs& a, char* own_region, uint32_t epochs_used,
+                                              uint32_t& e) {
   __shared__ uint32_t shared_epoch;
+  __shared__ bool shared_go;
   if (threadIdx.x == 0) {
+    shared_go = load_relaxed_gpu(a.gave_up) == 0;
     uint32_t* counter = reinterpret_cast<uint32_t*>(own_region + kEpochOffset) + blockIdx.x;
-    const uint32_t e = *counter + 1;
-    *counter = e + epochs_used - 1;
-    shared_epoch = e;
+    const uint32_t next = *counter + 1;
+    if (shared_go) *counter = next + epochs_used - 1;
+    shared_epoch = next;
   }
   __syncthreads();
-  return shared_epoch;
+  e = shared_epoch;
+  return shared_go;
 }
 
 // arr[i] for a runtime i < W without indexing a local array (which would
@@ -143,7 +150,13 @@ template <int W>
 __device__ __forceinline__ void record_failure(const KernelArgs& a, uint32_t code, uint32_t barrier_id,
                                                uint32_t e, uint32_t missing, const BarrierView& view) {
   CallStatus* st = a.status;
-  if (threadIdx.x != 0 || !claim_record(a.claim, st->generation)) return;
+  if (threadIdx.x != 0) return;
+  const bool gave_up = code != kStatusMismatch;
+  if (gave_up) store_relaxed_gpu(a.gave_up, 1u);  // later kernels do nothing (advance_epoch)
+  const uint32_t generation = st->generation;
+  if (!claim_record(a.claim, gave_up ? generation | kClaimSevere : generation)) return;
+  // A wait that gave up because of an abort (or passed its deadline after one) says so.
+  if (code == kStatusDeadline && load_acquire_sys(&st->aborted) != 0) code = kStatusAborted;
   st->barrier = barrier_id;
   st->block = blockIdx.x;
   st->epoch = e;
@@ -181,11 +194,22 @@ __device__ __forceinline__ void count_mismatch(const KernelArgs& a) {
 // same thread q.
 //
 // Deadline: every wait reads %globaltimer; past timeout_ns the thread gives up
-// on rank q. Returns the ranks that never arrived (bit q), the same value in
-// every thread of the block; 0 when all did.
+// on rank q. With `may_abort` it also gives up once the host has aborted the
+// communicator (CallStatus::aborted, read every kAbortLookNs of a wait):
+// wherever no peer can go on reading memory the caller gets back. That is the
+// start barrier (a peer that passes it and reads our buffer in place needs us
+// again at a mid or end barrier we never reach, and raises there), and a later barrier of a
+// staged call (peers read only our region, which stays allocated and which
+// nothing rewrites: a kernel queued behind this one does nothing,
+// Call::gave_up). Not a later barrier of the zero-copy
+// modes: a peer still reading our registered buffer in place would go on
+// reading it after the caller got it back (two-shot's mid barrier is the last
+// one there), and finish with whatever the caller wrote, without an error.
+// Returns the ranks that never arrived (bit q), the same value in every thread
+// of the block; 0 when all did.
 template <int W>
 __device__ __forceinline__ uint32_t barrier(const KernelArgs& a, char* own_region, int64_t array_offset,
-                                            uint32_t e, const CallDesc* mine, bool with_mid,
+                                            uint32_t e, const CallDesc* mine, bool with_mid, bool may_abort,
                                             BarrierView& view) {
   __syncthreads();
   if (threadIdx.x < W) {
@@ -200,14 +224,22 @@ __device__ __forceinline__ uint32_t barrier(const KernelArgs& a, char* own_regio
     store_release_sys(flag_ptr(peer, array_offset, blockIdx.x, a.rank), e);
     const uint32_t* own = flag_ptr(own_region, array_offset, blockIdx.x, q);
     uint64_t started = 0;
+    uint64_t next_abort_look = 0;
     uint32_t late = 0;
     while (!epoch_reached(load_acquire_sys(own), e)) {
       const uint64_t now = global_timer_ns();
       if (started == 0) {
         started = now;  // the clock is read only once the flag was not already there
+        next_abort_look = now + uint64_t(kAbortLookNs);
       } else if (now - started > uint64_t(a.timeout_ns)) {
         late = 1;
         break;
+      } else if (may_abort && now >= next_abort_look) {  // a slow wait: has the host aborted the communicator?
+        next_abort_look = now + uint64_t(kAbortLookNs);
+        if (load_acquire_sys(&a.status->aborted) != 0) {
+          late = 1;
+          break;
+        }
       }
     }
     view.late[q] = late;
@@ -232,7 +264,7 @@ __device__ __forceinline__ bool start_call(const KernelArgs& a, char* own_region
                                            uint32_t kind, bool with_mid) {
   __shared__ BarrierView view;
   const CallDesc mine{a.desc_bytes, e, kind};
-  uint32_t missing = barrier<W>(a, own_region, kStartFlagsOffset, e, &mine, with_mid, view);
+  uint32_t missing = barrier<W>(a, own_region, kStartFlagsOffset, e, &mine, with_mid, true, view);
   if (missing != 0) {
     record_failure<W>(a, kStatusDeadline, kBarrierStart, e, missing, view);
     return false;
@@ -255,7 +287,7 @@ template <int W>
 __device__ __forceinline__ bool meet(const KernelArgs& a, char* own_region, int64_t array_offset,
                                      uint32_t e, uint32_t barrier_id) {
   __shared__ BarrierView view;
-  const uint32_t missing = barrier<W>(a, own_region, array_offset, e, nullptr, false, view);
+  const uint32_t missing = barrier<W>(a, own_region, array_offset, e, nullptr, false, a.mode == kStaged, view);
   if (missing != 0) record_failure<W>(a, kStatusDeadline, barrier_id, e, missing, view);
   return missing == 0;
 }
@@ -466,7 +498,8 @@ __device__ __forceinline__ void one_shot(const KernelArgs& a) {
   const bool staged = a.mode == kStaged;
   const uint32_t kind = call_kind(a);
   const uint32_t epochs_used = desc_epochs_used(kind);  // 2: kRegistered, with its end barrier
-  const uint32_t e = advance_epoch(own_region, epochs_used);
+  uint32_t e;
+  if (!advance_epoch(a, own_region, epochs_used, e)) return;
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   if (staged) {  // own staging buffer = own source
     const char* const input = a.input;
@@ -497,7 +530,8 @@ __device__ __forceinline__ void two_shot(const KernelArgs& a) {
   const bool staged = a.mode == kStaged;
   const uint32_t kind = call_kind(a);
   const bool in_place = desc_epochs_used(kind) == 2;  // kRegisteredInPlace, with its end barrier
-  const uint32_t e = advance_epoch(own_region, in_place ? 2 : 1);
+  uint32_t e;
+  if (!advance_epoch(a, own_region, in_place ? 2 : 1, e)) return;
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   const int64_t reduced_shift = (e & 1u) ? a.reduced_odd_shift : 0;
   char* const own_reduced = select_rank<W>(a.reduced, a.rank) + reduced_shift;
@@ -590,7 +624,8 @@ __device__ __forceinline__ void copy_pieces(int64_t first, int64_t end, PieceOf 
 template <typename T, int W>
 __device__ __forceinline__ void reduce_scatter(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
-  const uint32_t e = advance_epoch(own_region, 1);
+  uint32_t e;
+  if (!advance_epoch(a, own_region, 1, e)) return;
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   const int64_t segment = a.bytes, segment_chunks = a.segment_stride / kChunkBytes, lane = lane_offset();
   char* const own_staging = const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift;
@@ -622,7 +657,8 @@ __device__ __forceinline__ void reduce_scatter(const KernelArgs& a) {
 template <typename Word, int W>
 __device__ __forceinline__ void all_gather(const KernelArgs& a) {
   char* const own_region = select_rank<W>(a.regions, a.rank);
-  const uint32_t e = advance_epoch(own_region, 1);
+  uint32_t e;
+  if (!advance_epoch(a, own_region, 1, e)) return;
   const int64_t shift = (e & 1u) ? a.sources_odd_shift : 0;
   const int64_t segment = a.bytes, nchunks = (segment + kChunkBytes - 1) / kChunkBytes, lane = lane_offset();
   char* const own_staging = const_cast<char*>(select_rank<W>(a.sources, a.rank)) + shift;
@@ -730,6 +766,7 @@ inline KernelArgs make_kernel_args(const Call& call) {
   a.graph_entry = call.graph_entry;
   a.status = call.status;
   a.claim = call.claim;
+  a.gave_up = call.gave_up;
   a.desc_bytes = call.desc_bytes;
   a.call_number = call.call_number;
   a.rank = call.rank;

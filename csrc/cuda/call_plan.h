@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "../common/context.h"
 #include "kernel_api.h"
 
 namespace pyallreduce {
@@ -104,18 +105,26 @@ inline const char* barrier_name(uint32_t barrier) {
   return barrier == kBarrierStart ? "start" : barrier == kBarrierMid ? "mid" : "end";
 }
 
-// The error for a kStatusDeadline record of this rank, worded as the CPU and
-// Triton backends word theirs (the rank, the barrier, the call, who is missing).
-inline std::string deadline_message(const CallStatus& st, int rank, int world_size,
-                                    int64_t timeout_ns) {
+// The error for a kStatusDeadline or kStatusAborted record of this rank,
+// worded as the CPU and Triton backends word theirs (the rank, the barrier,
+// the call, who is missing).
+inline std::string gave_up_message(const CallStatus& st, int rank, int world_size, int64_t timeout_ns) {
+  std::ostringstream missing;
+  for (int q = 0; q < world_size; ++q) {
+    if ((st.missing >> q) & 1u) missing << " " << q;
+  }
   std::ostringstream s;
+  if (st.code == kStatusAborted) {
+    s << "pyallreduce: collective call " << st.call << " on this communicator was aborted (" << kAbortedBy
+      << ") while rank " << rank << "'s kernel waited in the " << barrier_name(st.barrier) << " barrier (block "
+      << st.block << ", epoch " << st.epoch << ") for rank(s)" << missing.str()
+      << "; create a new Communicator (or process group) on the ranks that go on";
+    return s.str();
+  }
   s << "pyallreduce: rank " << rank << " waited past its " << double(timeout_ns) / 1e9 << " s deadline in the "
     << barrier_name(st.barrier) << " barrier of collective call " << st.call << " on this communicator (block "
-    << st.block << ", epoch " << st.epoch << "); rank(s)";
-  for (int q = 0; q < world_size; ++q) {
-    if ((st.missing >> q) & 1u) s << " " << q;
-  }
-  s << " never arrived there. Every rank must make the same collective calls in the same order. This "
+    << st.block << ", epoch " << st.epoch << "); rank(s)" << missing.str()
+    << " never arrived there. Every rank must make the same collective calls in the same order. This "
        "communicator is unusable now (close() it and create a new one on every rank); the CUDA context is fine.";
   return s.str();
 }

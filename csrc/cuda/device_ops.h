@@ -35,6 +35,16 @@ __device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
                : "memory");
   return v;
 }
+// A word of this device's memory that another block may write meanwhile
+// (Call::gave_up): atomic, no ordering.
+__device__ __forceinline__ uint32_t load_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(__cvta_generic_to_global(p)) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(v) : "memory");
+}
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -66,6 +76,8 @@ inline uint32_t load_acquire_sys(const uint32_t* p) {
   sim::flag_point();  // a spin: let the block's other threads (and other blocks) run
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
+inline uint32_t load_relaxed_gpu(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void store_relaxed_gpu(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline uint64_t global_timer_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now().time_since_epoch())

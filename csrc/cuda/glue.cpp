@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -258,7 +259,7 @@ GraphTable& graph_table_of(const Context& ctx) {
 struct StatusRecord {
   CallStatus* host = nullptr;
   CallStatus* device = nullptr;   // the same memory as the kernels address it
-  uint32_t* claim = nullptr;      // device memory (kernel_api.h CallStatus)
+  uint32_t* claim = nullptr;      // device memory, two words: the claim (CallStatus) and Call::gave_up
   char* own_region = nullptr;     // tells a record of a destroyed context whose address was reused
   LaunchOrder order;              // the last eager launch's stream (call_plan.h)
   cudaEvent_t launched = nullptr; // recorded after it
@@ -321,8 +322,8 @@ void wait_for_kernels(const StatusRecord& rec, cudaStream_t stream) {
   check_cuda(wait_relaxed(rec.launched, stream), "waiting for the communicator's kernels");
 }
 
-// Raises what the kernels recorded, if anything (only a deadline when
-// `mismatch_too` is false). A deadline stays recorded and marks the context
+// Raises what the kernels recorded, if anything (only a deadline or an abort
+// when `mismatch_too` is false). A deadline (or abort) stays recorded and marks the context
 // broken (epochs are out of step). A mismatch is raised as CallMismatch (the
 // kernels skipped the call and put the epochs back in step) once no kernel of
 // ours can still count one, naming the first skipped call and how many
@@ -330,19 +331,23 @@ void wait_for_kernels(const StatusRecord& rec, cudaStream_t stream) {
 // `stream` is being captured nothing can wait: the record is then raised and
 // kept.
 void raise_from(Context& ctx, StatusRecord& rec, cudaStream_t stream, bool mismatch_too) {
-  const uint32_t code = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE);
+  uint32_t code = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE);
   if (code == kStatusOk || (code == kStatusMismatch && !mismatch_too)) return;
-  if (code == kStatusDeadline) {
-    const std::string msg = deadline_message(*rec.host, ctx.rank, ctx.world_size, ctx.timeout_ns);
+  const bool capturing = is_capturing(stream);
+  if (code == kStatusMismatch && !capturing) {
+    wait_for_kernels(rec, stream);
+    // A later kernel's deadline or abort may have taken the record over meanwhile (kClaimSevere).
+    code = __atomic_load_n(&rec.host->code, __ATOMIC_ACQUIRE);
+  }
+  if (code == kStatusDeadline || code == kStatusAborted) {
+    const std::string msg = gave_up_message(*rec.host, ctx.rank, ctx.world_size, ctx.timeout_ns);
     ctx.broken_reason = msg;
     ctx.broken.store(true);
     throw std::runtime_error(msg);
   }
-  const bool capturing = is_capturing(stream);
-  if (!capturing) wait_for_kernels(rec, stream);
   const CallStatus st = *rec.host;
-  if (!capturing) {  // a new generation: the next failing block claims the record again
-    std::memset(rec.host, 0, sizeof(CallStatus));
+  if (!capturing) {  // a new generation: the next failing block claims the record again (`aborted` stays)
+    std::memset(rec.host, 0, offsetof(CallStatus, aborted));
     rec.host->generation = st.generation + 1;
   }
   throw CallMismatch(mismatch_message(st.call, st.epoch, st.descs, ctx.world_size, st.mismatches,
@@ -359,6 +364,7 @@ Call new_call(const Context& ctx, const StatusRecord& rec) {
   call.call_number = ctx.calls;
   call.status = rec.device;
   call.claim = rec.claim;
+  call.gave_up = rec.claim + 1;
   return call;
 }
 
@@ -369,9 +375,9 @@ Call new_call(const Context& ctx, const StatusRecord& rec) {
 void prepare(Context& ctx, cudaStream_t stream) {
   require(ctx.is_cuda, "cuda_prepare needs a CUDA communicator");
   DeviceScope device(ctx.device);  // relaxed: allocations (see RelaxedCaptureScope)
-  std::lock_guard<std::mutex> lock(status_mutex);
-  StatusRecord& rec = status_by_context[&ctx];
-  free_status(rec);  // a destroyed context's, whose address this one reuses
+  // Made without status_mutex: the wait below lasts as long as a kernel
+  // already on `stream`, and an abort of that kernel's communicator
+  // (interrupt) needs the mutex.
   void* host = nullptr;
   check_cuda(cudaHostAlloc(&host, sizeof(CallStatus), cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc of the status record");
@@ -380,9 +386,9 @@ void prepare(Context& ctx, cudaStream_t stream) {
   void* mapped = nullptr;
   cudaError_t err = cudaHostGetDevicePointer(&mapped, host, 0);
   void* claim = nullptr;
-  if (err == cudaSuccess) err = cudaMalloc(&claim, sizeof(uint32_t));
-  // Zeroed before any kernel can claim it.
-  if (err == cudaSuccess) err = cudaMemsetAsync(claim, 0, sizeof(uint32_t), stream);
+  if (err == cudaSuccess) err = cudaMalloc(&claim, 2 * sizeof(uint32_t));
+  // Zeroed before any kernel can claim it (or read that a wait gave up).
+  if (err == cudaSuccess) err = cudaMemsetAsync(claim, 0, 2 * sizeof(uint32_t), stream);
   if (err == cudaSuccess) err = wait_relaxed(nullptr, stream);
   cudaEvent_t launched = nullptr;
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&launched, cudaEventDisableTiming);
@@ -391,11 +397,31 @@ void prepare(Context& ctx, cudaStream_t stream) {
     if (claim != nullptr) cudaFree(claim);
     raise_cuda(err, "making the status record");
   }
-  rec.host = static_cast<CallStatus*>(host);
-  rec.device = static_cast<CallStatus*>(mapped);
-  rec.claim = static_cast<uint32_t*>(claim);
-  rec.own_region = ctx.own_region();
-  rec.launched = launched;
+  StatusRecord made;
+  made.host = static_cast<CallStatus*>(host);
+  made.device = static_cast<CallStatus*>(mapped);
+  made.claim = static_cast<uint32_t*>(claim);
+  made.own_region = ctx.own_region();
+  made.launched = launched;
+  StatusRecord stale;  // a destroyed context's, whose address this one reuses
+  {
+    std::lock_guard<std::mutex> lock(status_mutex);
+    StatusRecord& rec = status_by_context[&ctx];
+    stale = rec;
+    rec = made;
+  }
+  free_status(stale);  // not under the mutex either: cudaFreeHost waits for the device
+}
+
+void interrupt(const Context& ctx) {
+  // The mutex keeps the record from being freed meanwhile; no CUDA call is
+  // ever made under it (prepare, clear_buffers), so this never waits long.
+  std::lock_guard<std::mutex> lock(status_mutex);
+  auto it = status_by_context.find(&ctx);
+  if (it == status_by_context.end() || it->second.own_region != ctx.own_region() || it->second.host == nullptr) {
+    return;  // no record of its own: no kernel of it ever ran
+  }
+  __atomic_store_n(&it->second.host->aborted, 1u, __ATOMIC_RELEASE);
 }
 
 void check(Context& ctx, cudaStream_t stream) {
@@ -573,22 +599,28 @@ bool is_registered(const Context& ctx, int64_t ptr, int64_t nbytes) {
 }
 
 std::vector<Keep> clear_buffers(const Context& ctx) {
-  std::lock_guard<std::mutex> lock(buffers_mutex);
   std::vector<Keep> kept;
-  auto it = buffers_by_context.find(&ctx);
-  if (it != buffers_by_context.end()) {
-    for (Keep& t : it->second.graph.kept) {
-      if (t) kept.push_back(std::move(t));
+  {
+    std::lock_guard<std::mutex> lock(buffers_mutex);
+    auto it = buffers_by_context.find(&ctx);
+    if (it != buffers_by_context.end()) {
+      for (Keep& t : it->second.graph.kept) {
+        if (t) kept.push_back(std::move(t));
+      }
+      for (Keep& t : it->second.graph.retired) kept.push_back(std::move(t));
+      erase_buffers(it);
     }
-    for (Keep& t : it->second.graph.retired) kept.push_back(std::move(t));
-    erase_buffers(it);
   }
-  std::lock_guard<std::mutex> status_lock(status_mutex);
-  auto st = status_by_context.find(&ctx);
-  if (st != status_by_context.end()) {
-    free_status(st->second);
-    status_by_context.erase(st);
+  StatusRecord gone;
+  {
+    std::lock_guard<std::mutex> status_lock(status_mutex);
+    auto st = status_by_context.find(&ctx);
+    if (st != status_by_context.end()) {
+      gone = st->second;
+      status_by_context.erase(st);
+    }
   }
+  free_status(gone);  // outside the mutex (see prepare)
   return kept;
 }
 

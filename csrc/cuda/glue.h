@@ -37,6 +37,10 @@ bool is_capturing(cudaStream_t stream);
 // created, outside any capture: cudaHostAlloc and cudaEventCreate would
 // invalidate a global-mode capture).
 void prepare(Context& ctx, cudaStream_t stream);
+// For abort_context: every kernel of the communicator waiting for a peer
+// gives up within kAbortLookNs, as at its deadline, and records
+// kStatusAborted (CallStatus::aborted). From any thread; never waits.
+void interrupt(const Context& ctx);
 // Waits for the communicator's kernels launched so far (not while capturing)
 // and raises what they recorded: a deadline (naming the ranks that never
 // arrived; marks the context broken) or a mismatch (CallMismatch; cleared).

@@ -60,9 +60,16 @@ enum Mode : int {
 // call sees the mismatch; the communicator's kernels run one after another,
 // so it is the only writer), and the host reads the count once no kernel of
 // the communicator runs.
+// A deadline or an abort claims with its generation | kClaimSevere, so it takes
+// the record over from a mismatch of the same generation (the worse news: the
+// ranks are out of step, and every later kernel does nothing, Call::gave_up),
+// never the reverse; the host raises it even if it first read the mismatch.
+// The host's generations stay far below 2^31.
+constexpr uint32_t kClaimSevere = 1u << 31;
 constexpr uint32_t kStatusOk = 0;
 constexpr uint32_t kStatusDeadline = 1;  // a rank never arrived: the communicator is broken
 constexpr uint32_t kStatusMismatch = 2;  // descriptors differ: nothing written, ranks in step
+constexpr uint32_t kStatusAborted = 3;   // a wait gave up because the host set `aborted`: broken too
 // CallStatus::barrier values.
 constexpr uint32_t kBarrierStart = 0;
 constexpr uint32_t kBarrierMid = 1;
@@ -71,15 +78,23 @@ constexpr uint32_t kBarrierEnd = 2;
 struct CallStatus {
   uint32_t code;
   uint32_t generation;          // from 1, advanced by the host each time it clears the record
-  uint32_t barrier;             // deadline: which barrier
+  uint32_t barrier;             // deadline or abort: which barrier
   uint32_t block;
   uint32_t epoch;               // e of the (first) failed call
-  uint32_t missing;             // deadline: bit q set = rank q never arrived
+  uint32_t missing;             // deadline or abort: bit q set = rank q had not arrived
   uint32_t mismatches;          // mismatched calls since the host last cleared the record
   uint32_t unused;              // keeps the 64-bit fields aligned
   int64_t call;                 // Call::call_number of the (first) failed call
   int64_t last_mismatch_call;   // Call::call_number of the last mismatched call
   CallDesc descs[kMaxRanks];    // mismatch: every rank's descriptor as read here (the first call's)
+  // Set to 1 by the host (abort_context with end_kernels: Communicator.abort(),
+  // torch.distributed's abort of the group) and never cleared: last, so that clearing the record
+  // (the fields before it) cannot race with it. A wait that has lasted
+  // kAbortLookNs reads it once per kAbortLookNs and gives up as at its
+  // deadline, so an abort does not wait for the kernel's deadline. Only a
+  // slow wait reads this host word (over PCIe): a call whose peers arrive in
+  // time never does.
+  uint32_t aborted;
 };
 
 // A captured call's entry in the communicator's graph table (device memory).
@@ -120,6 +135,13 @@ struct Call {
   const GraphEntry* graph_entry;  // set for a captured staged call whose buffers may be registered later
   CallStatus* status;           // device address of the communicator's status record
   uint32_t* claim;              // device memory: the last generation of the record a block claimed
+  // Device memory, set by a block whose wait gave up (a deadline, an abort).
+  // Every later kernel of the communicator then does nothing at all (no copy
+  // in, no flag): those already queued when a wait gave up would otherwise
+  // publish calls this rank never completes, whose flags (a peer counts e and
+  // e + 1 as arrived) and staging writes a late peer could take for the
+  // failed call's, and finish it with wrong data and no error.
+  uint32_t* gave_up;
 };
 
 __host__ __device__ inline bool vec_aligned(uintptr_t p) { return p % uintptr_t(kVecBytes) == 0; }

@@ -62,12 +62,16 @@ class Engine(Protocol):
     def check(self) -> None: ...
     def close(self, sync: bool) -> None: ...
 
-    def interrupt(self) -> None:
-        """From any thread (Communicator.abort): a host wait of this engine in
-        progress gives up and raises, and no later call starts; the C++
-        engines return once no call is in flight. A kernel already launched is
-        not reached: it ends when its peers arrive or at its deadline, and
-        close() waits for it."""
+    def interrupt(self, end_kernels: bool) -> None:
+        """From any thread (every close without the peers): a host wait of this
+        engine in progress gives up and raises, and no later call starts; the
+        C++ engines return once no call is in flight. With end_kernels (an
+        abort) a CUDA kernel (or an interpreted Triton one) waiting for a peer
+        gives up too, within about _C.ABORT_LOOK_NS (not where a peer may
+        still read this rank's registered buffer in place:
+        csrc/cuda/all_reduce.cuh barrier); garbage collection and exit do not
+        ask it, for a kernel's peers may be only late, and its output still
+        wanted. Never waits for a kernel: close() does."""
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -83,10 +83,10 @@ class NativeEngine:
     def wait_until_unused(self) -> None:
         pass  # a host call has finished when it returns
 
-    def interrupt(self) -> None:
+    def interrupt(self, end_kernels: bool) -> None:
         handle = self.handle  # read once: close() may clear it meanwhile
         if handle is not None:
-            _C.abort_context(handle)
+            _C.abort_context(handle, end_kernels)
 
     def close(self, sync: bool) -> None:
         try:

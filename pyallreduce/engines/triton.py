@@ -91,9 +91,11 @@ class TritonEngine:
             launched = self._launched.cuda_event if self._launched is not None else 0
             _C.cuda_wait_for_launches(self.device.index, launched, self._captured)
 
-    def interrupt(self):
-        # Its waits are inside its kernels, which no host flag reaches: later calls only.
+    def interrupt(self, end_kernels):
+        # Not under _launching, which the launch whose kernel waits holds.
         self._broken_reason = "it was aborted"
+        if end_kernels:
+            triton_kernels.interrupt(self.transport.regions, self.device)
 
     def close(self, sync):
         with self._launching:

@@ -30,7 +30,7 @@ FLAVOURS = {
 # What a harness binary is built from: a change to any of them rebuilds it.
 SOURCES = [ROOT / "tests" / "sim" / "harness.cpp", ROOT / "tests" / "sim" / "cuda_shim.h", Path(__file__).resolve(),
            *sorted((ROOT / "csrc" / "cuda").glob("*.h")), *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
-           ROOT / "csrc" / "common" / "protocol.h"]
+           ROOT / "csrc" / "common" / "protocol.h", ROOT / "csrc" / "common" / "context.h"]
 
 
 def cached_harness(flavour):

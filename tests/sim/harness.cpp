@@ -30,6 +30,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 
 #if defined(SIM_COVERAGE)
 extern "C" void __gcov_dump();
@@ -187,6 +188,7 @@ struct Rank {
   int64_t per_rank = 0;         // region + registered buffer
   CallStatus status = first_status();  // the glue's pinned record (private to the rank)
   uint32_t claim = 0;           // the glue's claim word in device memory (kernel_api.h CallStatus)
+  uint32_t gave_up = 0;         // and the word beside it (kernel_api.h Call::gave_up)
   uint32_t kept_mismatches = 0; // mismatches the record holds because the "host" has not looked yet
   int64_t first_kept_call = 0;  // the call number of the first of them
   GraphEntry entries[kGraphEntries]{};
@@ -239,7 +241,9 @@ struct CallSpec {
   int64_t out_count(int world) const { return algo == kAllGather ? world * count : count; }
 };
 
-enum class Expect { kOk, kMismatch, kDeadline };
+// kSkipped: a call launched after one of this rank gave up (a deadline, an
+// abort), as a kernel queued behind it: it must leave everything as it was.
+enum class Expect { kOk, kMismatch, kDeadline, kAborted, kSkipped };
 
 // What the glue's find_registered says for this input: the whole registered
 // buffer is registered, so any 16-byte aligned offset inside it. The glue
@@ -338,6 +342,22 @@ bool launch_call(Rank& r, const CallSpec& s, const Call& call) {
   }
 }
 
+// What a call of rank r publishes: its epoch counters and its start and mid
+// flags in every rank's region.
+std::vector<uint32_t> protocol_marks(const Rank& r) {
+  std::vector<uint32_t> marks;
+  for (int b = 0; b < r.cfg.nblocks; ++b) {
+    marks.push_back(reinterpret_cast<const uint32_t*>(r.region(r.rank) + kEpochOffset)[b]);
+    for (int q = 0; q < r.cfg.world; ++q) {
+      for (int64_t flags : {kStartFlagsOffset, kMidFlagsOffset}) {
+        marks.push_back(__atomic_load_n(reinterpret_cast<const uint32_t*>(r.region(q) + flags) + flag_index(b, r.rank),
+                                        __ATOMIC_ACQUIRE));
+      }
+    }
+  }
+  return marks;
+}
+
 // Runs one call on rank r: the glue's decisions (call_plan.h), the kernel,
 // then every check. specs[q] is rank q's call.
 // host_clears: after a mismatch, clear the record as the glue does once it
@@ -407,6 +427,7 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
   call.call_number = r.calls;
   call.status = &r.status;
   call.claim = &r.claim;
+  call.gave_up = &r.gave_up;
   char* in_tmp = nullptr;
   char* out_tmp = nullptr;
   if (plan.copy_input) {
@@ -439,6 +460,8 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
     }
   }
 
+  const std::vector<uint32_t> marks_before = protocol_marks(r);
+  const uint32_t code_before = __atomic_load_n(&r.status.code, __ATOMIC_ACQUIRE);
   sim::options.seed = r.rng();
   const bool slow = r.rng() % 4 == 0;
   sim::options.flag_sleep_us = r.slow_us > 0 ? r.slow_us : slow ? int(r.rng() % 200) : 0;
@@ -471,6 +494,12 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
       const bool staged_two_shot = plan.mode == kStaged && s.graph != 2 && s.algo == kTwoShot;
       if (staged_two_shot && W > 1) check_two_shot_share(r, input.data(), want.data(), bytes);
     }
+  } else if (expect == Expect::kSkipped) {
+    if (code != code_before || protocol_marks(r) != marks_before) {
+      r.fail("a call launched after a wait gave up changed the record (code %u, was %u) or published itself "
+             "(an epoch counter or a flag of this rank moved)", code, code_before);
+    }
+    if (std::memcmp(before.data(), out, size_t(out_bytes)) != 0) r.fail("a call launched after a wait gave up wrote its output");
   } else if (expect == Expect::kMismatch) {
     const int64_t first_call = r.kept_mismatches > 0 ? r.first_kept_call : r.calls;
     if (code != kStatusMismatch) {
@@ -501,14 +530,24 @@ void run_call(Rank& r, const std::vector<CallSpec>& specs, Expect expect, uint32
       ++r.kept_mismatches;
     }
   } else {
-    if (code != kStatusDeadline || r.status.missing != missing) {
-      r.fail("status code %u missing 0x%x, want a deadline with missing 0x%x", code, r.status.missing, missing);
+    // An abort may also name a rank whose flag arrived just as the wait gave up:
+    // every missing rank must be named, and may be joined by others.
+    const bool aborted = expect == Expect::kAborted;
+    const uint32_t want_code = aborted ? kStatusAborted : kStatusDeadline;
+    if (code != want_code || (aborted ? (r.status.missing & missing) != missing : r.status.missing != missing)) {
+      r.fail("status code %u missing 0x%x, want code %u with missing 0x%x", code, r.status.missing, want_code,
+             missing);
     } else {
-      const std::string msg = deadline_message(r.status, r.rank, W, r.cfg.timeout_ns);
+      const std::string msg = gave_up_message(r.status, r.rank, W, r.cfg.timeout_ns);
+      const std::string gave_up = aborted ? "was aborted (" + std::string(kAbortedBy) + ") while rank " +
+                                                std::to_string(r.rank) + "'s kernel waited"
+                                          : " never arrived there";
+      const size_t ranks = msg.find("rank(s)");
       for (int q = 0; q < W; ++q) {  // (single missing ranks in these tests)
-        const bool named = msg.find("rank(s) " + std::to_string(q) + " never arrived") != std::string::npos &&
-                           msg.find("collective call " + std::to_string(r.status.call) + " ") != std::string::npos;
-        if (((missing >> q) & 1u) && !named) r.fail("deadline message does not name rank %d and the call: %s", q, msg.c_str());
+        const bool named = msg.find(gave_up) != std::string::npos &&
+                           msg.find("collective call " + std::to_string(r.status.call) + " ") != std::string::npos &&
+                           ranks != std::string::npos && msg.find(" " + std::to_string(q), ranks) != std::string::npos;
+        if (((missing >> q) & 1u) && !named) r.fail("the message does not name rank %d and the call: %s", q, msg.c_str());
       }
     }
   }
@@ -914,17 +953,127 @@ RankBody mismatch_script(int followups) {
   };
 }
 
+// A matching call, then the specs of one that rank `missing` never makes.
+std::vector<CallSpec> matching_call_then_one_without(Rank& r, int missing) {
+  CallSpec s;
+  s.count = 5000;
+  s.algo = r.cfg.seed % 2 ? kTwoShot : kOneShot;
+  run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+  std::vector<CallSpec> v(size_t(r.cfg.world), s);
+  v[size_t(missing)].skip = true;
+  return v;
+}
+
+// Calls of every kernel, launched after a wait of this rank gave up, as kernels
+// queued behind it: each must change nothing.
+void calls_after_giving_up(Rank& r) {
+  CallSpec s;
+  s.count = 3000;
+  for (int64_t algo : {kOneShot, kTwoShot, kReduceScatter, kAllGather, kAgreeOnly}) {
+    s.algo = algo;
+    s.dtype = algo == kAllGather ? kU8 : kF32;
+    run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kSkipped);
+  }
+}
+
 // Rank `missing` never calls: every other rank's kernel records a deadline
 // naming it and returns.
 RankBody deadline_script(int missing) {
   return [missing](Rank& r) {
+    run_call(r, matching_call_then_one_without(r, missing), Expect::kDeadline, 1u << missing);
+    if (r.rank != missing) calls_after_giving_up(r);
+  };
+}
+
+// A mismatch the host has not cleared yet (the glue raises one only after
+// launching the next call), then a call that rank `missing` never makes: its
+// deadline must take the record over from the mismatch (kClaimSevere), or the
+// host would raise the mismatch, clear the record and go on with kernels that
+// do nothing; and the calls after it change nothing.
+RankBody mismatch_then_deadline_script(int missing) {
+  return [missing](Rank& r) {
     CallSpec s;
-    s.count = 5000;
-    s.algo = r.cfg.seed % 2 ? kTwoShot : kOneShot;
-    run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+    s.count = 3000;
     std::vector<CallSpec> v(size_t(r.cfg.world), s);
+    v[size_t(r.cfg.world - 1)].count += 1;
+    run_call(r, v, Expect::kMismatch, 0, /*host_clears=*/false);
+    v = std::vector<CallSpec>(size_t(r.cfg.world), s);
     v[size_t(missing)].skip = true;
     run_call(r, v, Expect::kDeadline, 1u << missing);
+    if (r.rank != missing) calls_after_giving_up(r);
+  };
+}
+
+// Rank `missing` never calls, and the host aborts every other rank 50 ms into
+// its call, as abort_context does (CallStatus::aborted): each kernel gives up
+// within kAbortLookNs, long before its deadline (cfg.timeout_ns, 20 s), and
+// records kStatusAborted naming the missing rank.
+RankBody abort_script(int missing) {
+  return [missing](Rank& r) {
+    const std::vector<CallSpec> v = matching_call_then_one_without(r, missing);
+    std::thread host([&r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      __atomic_store_n(&r.status.aborted, 1u, __ATOMIC_RELEASE);
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    run_call(r, v, Expect::kAborted, 1u << missing);  // (a failure ends the process: no join needed)
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    host.join();
+    if (r.rank != missing && waited > 1e-9 * double(r.cfg.timeout_ns) / 4) {
+      r.fail("the aborted call took %.1f s: it waited for its deadline", waited);
+    }
+    if (r.rank != missing) calls_after_giving_up(r);
+  };
+}
+
+// Returns once every other rank has published its next call at the start
+// barrier (its start flags for this rank's next epoch are here): this rank's
+// kernel then passes that barrier without waiting.
+void wait_for_peers_at_start(const Rank& r) {
+  const auto* epochs = reinterpret_cast<const uint32_t*>(r.region(r.rank) + kEpochOffset);
+  const auto* flags = reinterpret_cast<const uint32_t*>(r.region(r.rank) + kStartFlagsOffset);
+  for (bool all = false; !all; std::this_thread::sleep_for(std::chrono::milliseconds(1))) {
+    all = true;
+    for (int b = 0; b < r.cfg.nblocks; ++b) {
+      for (int q = 0; q < r.cfg.world; ++q) {
+        all = all && (q == r.rank || __atomic_load_n(&flags[flag_index(b, q)], __ATOMIC_ACQUIRE) == epochs[b] + 1);
+      }
+    }
+  }
+}
+
+// Which later barriers an abort ends. Rank 0 is aborted from the start but
+// launches each call only once rank 1 is at the start barrier (so it never
+// waits there); rank 1 is slow at every flag operation (5 ms), so rank 0 then
+// waits for it well over kAbortLookNs in the later barriers. Zero-copy
+// one-shot, two-shot and two-shot in place must all complete exactly: their
+// end barrier, and two-shot's mid barrier there, keep a peer from reading
+// this rank's registered buffer after its caller got it back. Then a staged
+// two-shot: rank 0 gives up in the mid barrier, and rank 1, which reads only
+// rank 0's region, completes exactly.
+RankBody abort_after_start_script() {
+  return [](Rank& r) {
+    if (r.rank == 0) __atomic_store_n(&r.status.aborted, 1u, __ATOMIC_RELEASE);
+    if (r.rank == 1) r.slow_us = 5000;
+    const int64_t chunk = kChunkBytes / 4;
+    CallSpec s;
+    s.count = 2 * chunk * r.cfg.world * r.cfg.nblocks;
+    for (int64_t algo : {kOneShot, kTwoShot}) {
+      for (auto where : {CallSpec::kRegistered, CallSpec::kRegisteredInPlace}) {
+        if (algo == kOneShot && where == CallSpec::kRegisteredInPlace) continue;  // in place is two-shot only
+        s.algo = algo;
+        s.where = where;
+        ++s.seed;
+        if (r.rank == 0) wait_for_peers_at_start(r);
+        run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), Expect::kOk);
+      }
+    }
+    s.algo = kTwoShot;
+    s.where = CallSpec::kPrivate;
+    ++s.seed;
+    if (r.rank == 1) r.slow_us = 20000;  // rank 0 waits ~20 ms in the mid barrier: well past kAbortLookNs
+    if (r.rank == 0) wait_for_peers_at_start(r);
+    run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), r.rank == 0 ? Expect::kAborted : Expect::kOk, 1u << 1);
   };
 }
 
@@ -1083,12 +1232,22 @@ int main(int argc, char** argv) {
       run(t, only, "mismatch", cfg(w, 2, 70 + uint64_t(w)), mismatch_script(tsan ? 1 : 3));
     }
     {
+      // Short, to keep the failing call short; but each world's first call must
+      // make it, which under TSan (~100x slower) 300 ms missed 3 runs in 12.
+      const int64_t deadline_ns = (tsan ? 3000 : 300) * 1000000ll;
       Config c = cfg(3, 2, 80);
-      c.timeout_ns = 300 * 1000000ll;
+      c.timeout_ns = deadline_ns;
       run(t, only, "deadline", c, deadline_script(1));
       c = cfg(2, 1, 81);
-      c.timeout_ns = 300 * 1000000ll;
+      c.timeout_ns = deadline_ns;
       run(t, only, "deadline", c, deadline_script(0));
+      c = cfg(3, 2, 84);
+      c.timeout_ns = deadline_ns;
+      run(t, only, "deadline", c, mismatch_then_deadline_script(1));
+      c = cfg(3, 2, 82);
+      c.timeout_ns = int64_t(20) * 1000000000;
+      run(t, only, "abort", c, abort_script(2));
+      if (!tsan) run(t, only, "abort", cfg(2, 2, 83), abort_after_start_script());
     }
     // Across the 32-bit wrap: from the old protocol's state (mid flags 0),
     // with the next call at 0xFFFFFFFF - 2 (two one-shot calls, then two-shot
