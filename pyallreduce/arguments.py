@@ -4,6 +4,7 @@ what runs is the Communicator's decision."""
 from __future__ import annotations
 
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,19 @@ def check_numel(tensor, out, numel):
                          f"{tensor.dtype}")
 
 
+def output(tensor, out, shape, device, same_shape=False):
+    """`out` checked (on `device`, the input's dtype; `shape`, or as many
+    elements), or a new tensor of `shape`."""
+    if out is None:
+        return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    check_tensor(out, "out", device)
+    if same_shape:
+        check_same_as(tensor, out)
+    else:
+        check_numel(tensor, out, math.prod(shape))
+    return out
+
+
 def scattered_shape(tensor, world_size):
     """reduce_scatter's out: (d0 // world_size, *rest), flat when d0 does not
     divide; the input must hold world_size equal segments."""
@@ -92,14 +106,6 @@ def scattered_shape(tensor, world_size):
 def gathered_shape(tensor, world_size):
     """all_gather's out: (world_size * d0, *rest)."""
     return (world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (world_size,)
-
-
-def eager(tensor):
-    """Whether the kernels may be called directly rather than through the torch op
-    (a microsecond less per call): plain tensors outside torch.compile/export,
-    which trace the op. The C++ side (try_collective_eager) declines under
-    dispatch modes, torch function modes, the JIT tracer and functorch wrappers."""
-    return not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
 
 
 def data(tensor):

@@ -268,7 +268,7 @@ class PyallreduceBackend(_C.ServingBackend):
                                    "make one collective call on this device before capturing")
             comm = Communicator(self._group, device=device, timeout=self._timeout)
             self._comms[device] = comm
-            fast_path = comm._eager_fast_path()
+            fast_path = comm._eager.backend_args()
             if fast_path is not None:
                 self._set_fast(device, *fast_path)
         return comm

@@ -4,30 +4,26 @@ chunking, the agreement before a fallback, argument checks and lifetime. It
 holds one engine (engines/), which only executes."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-import math
 import os
-import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import _C, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
-from .arguments import (ALGOS, algo_id, average_or_none, check_numel, check_same_as, check_tensor, data, eager,
-                        gathered_shape, parse_op, scattered_shape, staging_bytes, timeout_seconds)
+from . import _C, live, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
+from .arguments import (algo_id, average_or_none, check_tensor, data, gathered_shape, output, parse_op,
+                        scattered_shape, staging_bytes, timeout_seconds)
+from .eager import OFF, EagerPath
 from .engines import check_capture_entry, engine_class, resolve_backend, resolve_device, stream_capturing
 from .group import agree_on_group
 from .pieces import reduce_in_chunks, scatter_or_gather_in_pieces
-from .protocol import REDUCED_DTYPES, described_bytes, not_reduced_reason, partial_overlap_problem
+from .protocol import COLLECTIVE_NAMES, REDUCED_DTYPES, described_bytes, not_reduced_reason, partial_overlap_problem
 from .protocol import nbytes as nbytes_of
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch.distributed's default too
 DEFAULT_MAX_BYTES = 32 << 20
 DEBUG_ENV = "PYALLREDUCE_DEBUG"
-# The agreement round's collective ids (an all-reduce agrees as AGREE_ONLY) -> the names users call.
-COLLECTIVE_NAMES = {_C.AGREE_ONLY: "all_reduce", _C.REDUCE_SCATTER: "reduce_scatter", _C.ALL_GATHER: "all_gather"}
 
 
 class Communicator:
@@ -67,41 +63,42 @@ class Communicator:
         self.max_bytes = staging_bytes(max_bytes)
         self.timeout_s = timeout_seconds(timeout)
         self.debug = bool(int(os.environ.get(DEBUG_ENV, "0"))) if debug is None else bool(debug)
-        self._calls = 0
+        self._calls = 0  # calls served, numbering them for the debug fingerprint and Triton's records
         self._capturing = False
         self._closed = False
         self._engine = None  # None: every call goes to torch.distributed (fallback_reason)
-        self._handle = None  # the engine's C++ context for the eager fast path, read once here
+        self._eager = OFF  # the eager fast path (eager.py), made once here
         setup = agree_on_group(self.group, self.world_size, self.device, self.backend, engine_type, self.max_bytes,
-                               engine_type.resolve_nblocks(nblocks, self.device), _blocks_held)
+                               engine_type.resolve_nblocks(nblocks, self.device))
         self.nblocks, self.crossover, self.fallback_reason = setup.nblocks, setup.crossover, setup.fallback_reason
-        self._gpu = None  # the GPU whose blocks this communicator's kernels hold (policy.resident_nblocks)
         if self.fallback_reason is None:
             self._engine = engine_type(self.group, self.rank, self.device, self.max_bytes, self.nblocks,
                                        self.timeout_s)
-            self._handle = self._engine.handle
-            self._gpu = setup.gpu
+            if self._engine.handle is not None and not self.debug:
+                self._eager = EagerPath(self._engine.handle, self.crossover)
+            live.opened(self, setup.gpu, self.nblocks)
         else:
             logs.log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
-        _live.add(self)
 
     def all_reduce(self, tensor, op="sum", algo="auto", out=None):
         """Returns the reduction of `tensor` across ranks (out-of-place); writes
         into `out` (same shape, dtype, device) when given. The result does not
         require grad: collectives are not differentiated."""
-        result = self._direct(tensor, out, op, algo)
+        result = self._eager.all_reduce(tensor, out, op, algo)
         if result is not None:
+            self._calls += 1
             return result
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
-        out = self._out(tensor, out, tensor.shape, same_shape=True)
+        out = output(tensor, out, tensor.shape, self.device, same_shape=True)
         self._reduce(data(tensor), data(out), average, algo)
         return out
 
     def all_reduce_(self, tensor, op="sum", algo="auto"):
         """Reduces `tensor` in place across ranks and returns it (its data is
         changed outside autograd, as torch.distributed.all_reduce does)."""
-        if self._direct(tensor, tensor, op, algo) is not None:
+        if self._eager.all_reduce(tensor, tensor, op, algo) is not None:
+            self._calls += 1
             return tensor
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
@@ -121,7 +118,7 @@ class Communicator:
         average = parse_op(op)
         self._check_tensor(tensor, "tensor")
         tried_direct = out is not None
-        out = self._out(tensor, out, scattered_shape(tensor, self.world_size))
+        out = output(tensor, out, scattered_shape(tensor, self.world_size), self.device)
         self._scatter_or_gather(_C.REDUCE_SCATTER, data(tensor), data(out), average, tried_direct)
         return out
 
@@ -134,7 +131,7 @@ class Communicator:
             return out
         self._check_tensor(tensor, "tensor")
         tried_direct = out is not None
-        out = self._out(tensor, out, gathered_shape(tensor, self.world_size))
+        out = output(tensor, out, gathered_shape(tensor, self.world_size), self.device)
         self._scatter_or_gather(_C.ALL_GATHER, data(tensor), data(out), False, tried_direct)
         return out
 
@@ -242,8 +239,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
-        engine, self._engine, self._handle = self._engine, None, None
+        live.closed(self)
+        engine, self._engine, self._eager = self._engine, None, OFF
         if engine is not None:
             try:
                 if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
@@ -280,49 +277,15 @@ class Communicator:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how}, "
                 f"max_bytes={self.max_bytes})")
 
-    def _direct(self, src, dst, op, algo):
-        """The common eager call, kept short: the C++ side runs it if the tensors
-        fit a kernel as they are. Returns the result (dst, or a new tensor when
-        dst is None), or None having done nothing (the general path then does)."""
-        if self._handle is None or self.debug or not eager(src):  # torch.compile stops here
-            return None
-        average = average_or_none(op)
-        if average is None:  # parse_op on the general path says what is wrong
-            return None
-        if src.dtype not in REDUCED_DTYPES:
-            return None
-        if algo == "auto":
-            nbytes = src.nbytes
-            if self.crossover.prefers_reference(nbytes):
-                return None
-            algo = self.crossover.algo_for(nbytes)
-        kernel = ALGOS.get(algo)
-        if kernel is None:
-            return None
-        if dst is None:
-            dst = torch.empty_like(src)
-        elif type(dst) is not torch.Tensor:
-            return None
-        if not _C.try_collective_eager(src, dst, self._handle, kernel, average):
-            return None
-        self._calls += 1
-        return dst
-
-    def _eager_fast_path(self):
-        """What a caller that runs this communicator's eager calls in C++ as
-        _direct does (the torch.distributed backend, csrc/backend.cpp) needs:
-        (context handle, two_shot_min_bytes, reference_min_bytes or -1); None
-        where every call must come through here (a fallback, debug)."""
-        if self._handle is None or self.debug:
-            return None
-        reference_min = self.crossover.reference_min_bytes
-        return self._handle, self.crossover.two_shot_min_bytes, -1 if reference_min is None else reference_min
+    def _use_crossover(self, crossover):
+        """"auto" by another crossover row (bench/compare_nccl.py times its --crossovers-file's)."""
+        self.crossover = crossover
+        if self._eager is not OFF:
+            self._eager = EagerPath(self._eager.handle, crossover)
 
     def _direct_segments(self, collective, src, dst, average):
-        """_direct for reduce-scatter and all-gather (average None: an op the
-        general path rejects): whether the C++ side ran the call."""
-        if (self._handle is None or self.debug or average is None or type(dst) is not torch.Tensor
-                or not eager(src) or not _C.try_collective_eager(src, dst, self._handle, collective, average)):
+        """Whether the eager fast path ran this reduce-scatter or all-gather."""
+        if not self._eager.scatter_or_gather(collective, src, dst, average):
             return False
         self._calls += 1
         return True
@@ -331,17 +294,6 @@ class Communicator:
         if self._closed:
             raise RuntimeError("pyallreduce: this communicator is closed; create a new Communicator")
         check_tensor(tensor, name, self.device)
-
-    def _out(self, tensor, out, shape, same_shape=False):
-        """`out` checked (the input's dtype; `shape`, or as many elements), or a new tensor of `shape`."""
-        if out is None:
-            return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        self._check_tensor(out, "out")
-        if same_shape:
-            check_same_as(tensor, out)
-        else:
-            check_numel(tensor, out, math.prod(shape))
-        return out
 
     def _reference_reason(self, dtype, nbytes, algo="auto"):
         """Why an all-reduce of nbytes of dtype goes to torch.distributed, or
@@ -408,15 +360,10 @@ class Communicator:
                                     None if piece is None else piece // src.element_size())
 
     def _fallback(self, reason, collective, src, dst, average):
-        """The call by torch.distributed, after the agreement round, saying why once."""
-        if not torch.compiler.is_compiling():
-            logs.log_once(f"torch.distributed used for {COLLECTIVE_NAMES[collective]}: {reason}")
-            reference.check_capturable(self.device, self.group, reason)
+        """The call by torch.distributed for `reason`, after the agreement round."""
+        # Skipped inside a capture: run() still raises there before anything is enqueued (check_capturable).
         self._agree(src, dst, average, _C.MODE_FALLBACK, collective)
-        if collective == _C.AGREE_ONLY:
-            return reference.all_reduce(src, dst, average, self.group, self.world_size)
-        return reference.scatter_or_gather(collective == _C.REDUCE_SCATTER, src, dst, average, self.group,
-                                           self.world_size)
+        reference.run(reason, collective, src, dst, average, self.group, self.world_size, self.device)
 
     def _agree(self, src, dst, average, mode, collective=_C.AGREE_ONLY):
         """The agreement round of a call the kernels do not run (a fallback, an
@@ -445,17 +392,3 @@ class Communicator:
                                "this call; create a new Communicator (or process group) on the ranks that go on")
         return engine
 
-
-# Communicators still open at interpreter exit are closed (unmapped) there.
-_live = weakref.WeakSet()
-
-
-def _blocks_held(gpu):
-    """The blocks this process's open communicators' kernels hold on `gpu`."""
-    return sum(c.nblocks for c in _live if c._gpu == gpu and not c._closed)
-
-
-@atexit.register
-def _close_all():
-    for comm in list(_live):
-        comm._close(sync=False)  # the peers may already be gone

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _C, logs, policy
+from . import _C, live, logs, policy
 from .protocol import host_id
 
 
@@ -39,14 +39,13 @@ class GroupSetup:
     gpu: Optional[str]              # the GPU whose blocks the kernels hold (policy.resident_nblocks)
 
 
-def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, nblocks, blocks_held) -> GroupSetup:
+def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, nblocks) -> GroupSetup:
     """Collective. Raises on every rank when the ranks asked for different
     settings: a different nblocks makes blocks wait for peers that never come,
     a different max_bytes makes odd-epoch reads run past a smaller peer's
     region. Lowers nblocks on every rank alike when ranks share a GPU, and
     takes rank 0's crossover row on every rank (a rank whose kind differs, e.g.
-    another PYALLREDUCE_CPU_ISA, would otherwise pick other algorithms).
-    blocks_held(gpu): the blocks this rank's live communicators hold on it."""
+    another PYALLREDUCE_CPU_ISA, would otherwise pick other algorithms)."""
     kind, kind_error = None, None
     try:
         kind = policy.device_kind(device)
@@ -54,7 +53,7 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
         kind_error = str(e)
     gpu = _gpu_capacity(engine_class, device, world_size)
     if gpu is not None:
-        gpu = (*gpu, blocks_held(gpu[0]))
+        gpu = (*gpu, live.blocks_held(gpu[0]))
     mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error)
     every = gather(mine, group)
     failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]

@@ -14,6 +14,8 @@ from . import _C
 
 # The reductions' element types (all-reduce, reduce-scatter); all-gather copies any dtype.
 REDUCED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The agreement round's collective ids (an all-reduce agrees as AGREE_ONLY) -> the names users call.
+COLLECTIVE_NAMES = {_C.AGREE_ONLY: "all_reduce", _C.REDUCE_SCATTER: "reduce_scatter", _C.ALL_GATHER: "all_gather"}
 # Overrides the host identity (tests simulate several hosts on one machine).
 HOSTNAME_ENV = "PYALLREDUCE_HOSTNAME"
 

@@ -7,11 +7,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _C, logs
 from .engines import stream_capturing
+from .protocol import COLLECTIVE_NAMES
 
 # torch >= 2.14 names the tensor forms *_single and warns on every call of the older names.
 _dist_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def run(reason, collective, src, dst, average, group, world_size, device):
+    """The call (collective: _C.AGREE_ONLY for an all-reduce, REDUCE_SCATTER,
+    ALL_GATHER) by torch.distributed, saying once why it comes here."""
+    if not torch.compiler.is_compiling():
+        logs.log_once(f"torch.distributed used for {COLLECTIVE_NAMES[collective]}: {reason}")
+        check_capturable(device, group, reason)
+    if collective == _C.AGREE_ONLY:
+        all_reduce(src, dst, average, group, world_size)
+    else:
+        scatter_or_gather(collective == _C.REDUCE_SCATTER, src, dst, average, group, world_size)
 
 
 def _check_average(dtype, average):

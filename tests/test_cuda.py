@@ -210,7 +210,7 @@ def check_graph(rank, world):
             comm.all_reduce(static)  # warm-up outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
+            entries_before = len(_C.cuda_graph_entry_modes(comm._engine.handle))
             with comm.capture():
                 with torch.cuda.graph(graph):
                     # Several calls in one graph, both algorithms, sum and avg, in place.
@@ -221,7 +221,7 @@ def check_graph(rank, world):
                     comm.all_reduce_(in_place_one, algo="one_shot")  # keeps the staging copy
             # Out-of-place calls read the inputs in place (1), the in-place
             # two-shot call reduces in place (2); in-place one-shot has no entry.
-            modes = _C.cuda_graph_entry_modes(comm._handle)[entries_before:]
+            modes = _C.cuda_graph_entry_modes(comm._engine.handle)[entries_before:]
             if modes != [1, 1, 1, 2]:
                 failures.append(("graph entries", dtype, modes))
             for it in range(replays):
@@ -314,7 +314,7 @@ def check_graph_table_blocks(rank, world):
                 with torch.cuda.graph(graph):
                     outs = [comm.all_reduce(x, algo=ALGOS[k % 2]) for k, x in enumerate(xs)]
             graphs.append((graph, xs, outs))
-        modes = _C.cuda_graph_entry_modes(comm._handle)
+        modes = _C.cuda_graph_entry_modes(comm._engine.handle)
         if modes != [1] * 7:
             failures.append(("graph entries", modes))
         for it in range(5):
@@ -339,7 +339,7 @@ def check_registered(rank, world):
     torch.cuda.set_device(0)
     failures = []
     with make_comm() as comm:
-        handle = comm._handle  # white-box: confirm the zero-copy path is taken
+        handle = comm._engine.handle  # white-box: confirm the zero-copy path is taken
         for dtype in DTYPES:
             numel = 3 * NBLOCKS * CHUNK_BYTES // torch.empty((), dtype=dtype).element_size() + 5
             buf = torch.empty(numel + 64, dtype=dtype, device="cuda")
@@ -691,7 +691,7 @@ def check_capture_exit_beside_another_threads_capture(rank, world):
     comm = make_comm()
     x = on_gpu(exact_input(1000, rank, torch.float32, 5))
     graph = torch.cuda.CUDAGraph()
-    entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
+    entries_before = len(_C.cuda_graph_entry_modes(comm._engine.handle))
     capture = comm.capture()
     capture.__enter__()
     with torch.cuda.graph(graph):
@@ -699,7 +699,7 @@ def check_capture_exit_beside_another_threads_capture(rank, world):
     mapped = peer_mappings()
     with another_threads_capture():  # whatever it raised: undocumented (check_close_after_...)
         capture.__exit__(None, None, None)
-    assert _C.cuda_graph_entry_modes(comm._handle)[entries_before:] == [0], "the entry changed: not staged"
+    assert _C.cuda_graph_entry_modes(comm._engine.handle)[entries_before:] == [0], "the entry changed: not staged"
     assert peer_mappings() == mapped, "a peer's input was mapped for an entry nobody may write"
     assert any("1 of 1 captured calls keep the staging copy: rank 0: waiting for the communicator's kernels "
                "failed" in message for message in said), said
@@ -742,14 +742,14 @@ def check_capture_exit_when_mapping_a_captured_input_fails(rank, world):
     with make_comm() as comm:
         x = on_gpu(exact_input(1000, rank, torch.float32, 7))
         graph = torch.cuda.CUDAGraph()
-        entries_before = len(_C.cuda_graph_entry_modes(comm._handle))
+        entries_before = len(_C.cuda_graph_entry_modes(comm._engine.handle))
         mapped = peer_mappings()
         with comm.capture():
             with torch.cuda.graph(graph):
                 out = comm.all_reduce(x, algo="two_shot")  # out of place: would read x in place
             inject_failure("cudaIpcOpenMemHandle" if rank == world - 1 else None)  # the exit's first open
         inject_failure(None)
-        assert _C.cuda_graph_entry_modes(comm._handle)[entries_before:] == [0], "an entry was written"
+        assert _C.cuda_graph_entry_modes(comm._engine.handle)[entries_before:] == [0], "an entry was written"
         assert peer_mappings() == mapped, "a peer's input stays mapped for an entry nobody uses"
         assert any(f"the captured calls keep the staging copy: pyallreduce: mapping the peers' buffers failed on "
                    f"rank {world - 1}: pyallreduce: cudaIpcOpenMemHandle" in message for message in said), said
@@ -1111,7 +1111,7 @@ def check_ddp_hook(rank, world):
                     want = exact_avg(b.numel(), world, torch.float32, salt + i)
                     if fut.wait() is not b or not torch.equal(b.cpu(), want):
                         wrong.append((when, step, i))
-            registered = [_C.cuda_is_registered(comm._handle, b.data_ptr(), b.nbytes) for b in buckets]
+            registered = [_C.cuda_is_registered(comm._engine.handle, b.data_ptr(), b.nbytes) for b in buckets]
             assert registered == [True, True], (when, registered)
         assert (state.registrations, state.unregistrations) == (4, 2), state
 
@@ -1125,7 +1125,7 @@ def check_ddp_hook(rank, world):
             if not torch.equal(bucket.cpu(), exact_avg(bucket.numel(), world, torch.bfloat16, step)):
                 wrong.append(("bf16", step))
         wire = bf16._wire[0]
-        assert wire.data_ptr() != bucket.data_ptr() and _C.cuda_is_registered(comm._handle, wire.data_ptr(),
+        assert wire.data_ptr() != bucket.data_ptr() and _C.cuda_is_registered(comm._engine.handle, wire.data_ptr(),
                                                                                   wire.nbytes)
         assert bf16.registrations == 1
 

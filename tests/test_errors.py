@@ -55,8 +55,8 @@ def bad_input(rank, world):
     assert torch.equal(comm.all_reduce(x), torch.full((8,), float(world)))
     # Direct op calls are checked too: never out of bounds.
     expect(RuntimeError, "exceed the staging buffer", torch.ops.pyallreduce.all_reduce, torch.ones(1 << 20),
-           comm._handle, 0, False)
-    expect(RuntimeError, "unknown algorithm id 7", torch.ops.pyallreduce.all_reduce, x, comm._handle, 7, False)
+           comm._engine.handle, 0, False)
+    expect(RuntimeError, "unknown algorithm id 7", torch.ops.pyallreduce.all_reduce, x, comm._engine.handle, 7, False)
     expect(RuntimeError, "handle 999999 is closed or was never created", torch.ops.pyallreduce.all_reduce, x,
            999999, 0, False)
     comm.close()
@@ -136,7 +136,7 @@ def exits_beside_a_waiting_daemon_thread(rank, world):
     """A daemon thread still waits for a peer when the process exits: the
     close at exit (the atexit hook, called here: run_ranks' children end with
     os._exit) interrupts it instead of waiting for its deadline (600 s)."""
-    from pyallreduce.communicator import _close_all
+    from pyallreduce.live import close_all
 
     comm = make_comm(timeout=600)
     x = torch.ones(100)
@@ -154,7 +154,7 @@ def exits_beside_a_waiting_daemon_thread(rank, world):
         thread.start()
         time.sleep(2.0)  # it waits for rank 1 by now
         start = time.monotonic()
-        _close_all()
+        close_all()
         assert time.monotonic() - start < 60 and comm.closed
         thread.join(60)
         assert not thread.is_alive() and len(errors) == 1 and "or at exit) after rank 0 waited" in errors[0], errors

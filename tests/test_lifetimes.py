@@ -256,7 +256,7 @@ def communicator_over(transport):
     engine = object.__new__(CudaEngine)
     engine.handle, engine.transport, engine.group, engine.device = 1, transport, dist.group.WORLD, transport.device
     comm = object.__new__(Communicator)
-    comm._engine, comm._handle, comm._closed, comm.device = engine, 1, False, transport.device
+    comm._engine, comm._closed, comm.device = engine, False, transport.device
     return comm
 
 

@@ -15,7 +15,7 @@ def make_comm():
 
 def opcheck_ops(rank, world):
     comm = make_comm()
-    h = comm._handle
+    h = comm._engine.handle
     for dtype in (torch.float32, torch.bfloat16):
         x = exact_input(300, rank, dtype)
         torch.library.opcheck(torch.ops.pyallreduce.all_reduce.default, (x, h, 0, False))
@@ -85,7 +85,7 @@ def test_torch_compile_fullgraph_with_fallback_dtypes():
 
 
 def seen_by_dispatch_modes(rank, world):
-    """Eager calls skip the dispatcher (Communicator._direct); a dispatch mode
+    """Eager calls skip the dispatcher (pyallreduce/eager.py); a dispatch mode
     (here a recording one; FakeTensorMode and make_fx are others) must still
     see the op, and the result must be the same."""
     from torch.utils._python_dispatch import TorchDispatchMode

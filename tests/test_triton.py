@@ -795,7 +795,7 @@ def test_reduce_scatter_and_all_gather_refuse_bad_calls_and_raise_on_every_rank_
 
 def mismatches_counted_until_the_host_looks(rank, world):
     """On a GPU the host raises a recorded mismatch only after later launches
-    (triton_kernels._raise_recorded after the next call's launch): the record
+    (triton_kernels.status.raise_recorded after the next call's launch): the record
     must keep every mismatched call. The launches here go straight to the
     kernel with nothing read between them, as a GPU's asynchronous launches
     do: a mismatch, a matching call, a mismatch; then the host looks."""
@@ -822,13 +822,13 @@ def mismatches_counted_until_the_host_looks(rank, world):
         assert torch.equal(launch(n, 2), exact_sum(n, world, f32, salt=2)), "the matching call between"
         assert bool((launch(odd, 3) == SENTINEL).all()), "a mismatched call wrote its output"
         with pytest.raises(tk.CallMismatch) as raised:
-            tk._raise_recorded(status, record, rank, world, TIMEOUT_S, torch.device("cpu"))
+            tk.status.raise_recorded(status, record, rank, world, TIMEOUT_S, torch.device("cpu"))
         # Every call uses one epoch, from 1: the record keeps the first mismatch's descriptors.
         descs = [(4 * (n + (q == world - 1)), 1, kind) for q in range(world)]
         want = _C.mismatch_message(1, 1, descs, 2, 3)
         assert str(raised.value) == want, f"{raised.value}\n--- expected:\n{want}"
-        assert int(status[signal.STATUS_CODE.value]) == 0 and int(status[signal.STATUS_MISMATCHES.value]) == 0 \
-            and int(status[signal.STATUS_GENERATION.value]) == 2, "the record was not cleared once raised"
+        assert int(status[tk.status.STATUS_CODE.value]) == 0 and int(status[tk.status.STATUS_MISMATCHES.value]) == 0 \
+            and int(status[tk.status.STATUS_GENERATION.value]) == 2, "the record was not cleared once raised"
         x = exact_input(n, rank, f32, salt=4)  # the communicator is still usable
         tk.all_reduce(x, x, t.regions, rank, world, MAX_BYTES, nblocks, _C.TWO_SHOT, False, TIMEOUT_S, call=4)
         assert torch.equal(x, exact_sum(n, world, f32, salt=4)), "the call after the mismatches is not exact"
@@ -879,8 +879,8 @@ def deadline_at_every_round_of_a_wait(rank, world):
 
                 signal.clock_ns = lambda: tl.full((), start, tl.int64)
                 signal.lane_clock_ns = lane_clock
-                status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32)
-                tk._new_generation(status, 1)  # as prepare() makes it
+                status = torch.zeros(tk.status.STATUS_WORDS, dtype=torch.int32)
+                tk.status.new_generation(status, 1)  # as prepare() makes it
                 out = torch.full((1,), -1, dtype=torch.int32)
                 regions = torch.tensor([flags.data_ptr(), 0, 0], dtype=torch.int64)  # own, (peer), claim word
                 wait_kernel[(1,)](regions, status, out, timeout, WORLD_SIZE=2)
@@ -891,8 +891,8 @@ def deadline_at_every_round_of_a_wait(rank, world):
                 if int(out[0]) != int(arrived) or len(rounds) != want_rounds:
                     failures.append(f"{what}: returned {int(out[0])} after {len(rounds)} rounds, "
                                     f"want {int(arrived)} after {want_rounds}")
-                code, missing = int(status[signal.STATUS_CODE.value]), int(status[signal.STATUS_MISSING.value])
-                if (code, missing) != ((0, 0) if arrived else (signal.CODE_DEADLINE.value, 0b10)):
+                code, missing = int(status[tk.status.STATUS_CODE.value]), int(status[tk.status.STATUS_MISSING.value])
+                if (code, missing) != ((0, 0) if arrived else (tk.status.CODE_DEADLINE.value, 0b10)):
                     failures.append(f"{what}: record code {code}, missing {missing:#b}")
     finally:
         signal.clock_ns, signal.lane_clock_ns = real

@@ -5,7 +5,7 @@ in this module's globals."""
 import triton
 import triton.language as tl
 
-from pyallreduce.triton_kernels import signal
+from pyallreduce.triton_kernels import signal, status
 
 
 @triton.jit
@@ -19,5 +19,5 @@ def wait_kernel(regions_ptr, status_ptr, out_ptr, timeout_ns, WORLD_SIZE: tl.con
     rank, e, call = tl.full((), 0, tl.int32), tl.full((), 1, tl.int32), tl.full((), 7, tl.int64)
     ok = signal.wait_peers(own, signal.START_FLAGS_OFFSET, pid, rank, e, timeout_ns, status_ptr,
                            signal.claim_word(regions_ptr, WORLD_SIZE), call,
-                           signal.START_BARRIER, WORLD_SIZE)
+                           status.START_BARRIER, WORLD_SIZE)
     tl.store(out_ptr, ok.to(tl.int32))

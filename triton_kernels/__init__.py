@@ -13,20 +13,15 @@ from pyallreduce import _C
 from pyallreduce.protocol import is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
+from .status import STATUS_ABORTED, STATUS_WORDS, CallMismatch, new_generation, raise_recorded
 
 __all__ = ["CallMismatch", "agree", "all_gather", "all_reduce", "interrupt", "prepare", "reduce_scatter", "release"]
-
-
-class CallMismatch(RuntimeError):
-    """The ranks' descriptors of one call differ (protocol.h CallDesc). Every
-    rank raises the same text, nothing was written, and the epochs are back in
-    step: the communicator stays usable."""
 
 
 _LAUNCHERS = {_C.ONE_SHOT: one_shot.launch, _C.TWO_SHOT: two_shot.launch}
 # (regions, device) -> (int64 tensor of the region bases, the int32 status
 # record, a numpy view of it), so a call costs one launch and one read of the
-# record's code. On a GPU the record lives in pinned host memory (signal.py
+# record's code. On a GPU the record lives in pinned host memory (status.py
 # explains why). Made by prepare() when a communicator is created (never inside
 # a CUDA graph capture, where pinned allocation and the copy to the device are
 # not permitted) and dropped by release() when it closes, after its kernels
@@ -44,8 +39,8 @@ def prepare(regions, device):
             raise RuntimeError("pyallreduce: the first Triton call on these regions is inside a CUDA graph "
                                "capture, which does not permit allocating its status record; create the "
                                "Communicator (or make one call) before capturing")
-        status = torch.zeros(signal.STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
-        _new_generation(status, 1)
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
+        new_generation(status, 1)
         table = torch.tensor([*key[0], 0], dtype=torch.int64, device=key[1])  # + the claim word, 0
         if key[1].type == "cuda":  # copied before any kernel, on whatever stream, can use it
             torch.cuda.current_stream(key[1]).synchronize()
@@ -53,23 +48,15 @@ def prepare(regions, device):
     return _device_args[key]
 
 
-def _new_generation(status, generation):
-    """Clears the status record for its next generation (signal.py: a failing
-    program claims the record when the claim word is below it); an abort
-    (STATUS_ABORTED, the last word) stays."""
-    status[:signal.STATUS_ABORTED.value].zero_()
-    status[signal.STATUS_GENERATION.value] = generation
-
-
 def interrupt(regions, device):
     """An interpreted kernel on these regions waiting for a peer gives up at
-    its next round, as at its deadline, and records CODE_ABORTED (signal.py
+    its next round, as at its deadline, and records CODE_ABORTED (status.py
     STATUS_ABORTED; a compiled one does not look yet: wait_peers): for an
     abort (Communicator.abort(), torch.distributed's abort of the group).
     From any thread; never waits. Nothing to do before prepare()."""
     args = _device_args.get((tuple(regions), torch.device(device)))
     if args is not None:
-        args[2][signal.STATUS_ABORTED.value] = 1  # a plain host store: the interpreted kernel sees it at its next load
+        args[2][STATUS_ABORTED.value] = 1  # a plain host store: the interpreted kernel sees it at its next load
 
 
 def release(regions, device):
@@ -180,16 +167,16 @@ def all_reduce(input, out, regions, rank, world_size, max_bytes, nblocks, algo, 
     ranks past a deadline (the ranks' epochs are out of step afterwards: the
     communicator cannot be used again). On CPU tensors both come from this
     call. On a GPU the kernel records them and a later call raises them
-    (signal.py): a mismatch names the first skipped call and how many followed.
+    (status.py): a mismatch names the first skipped call and how many followed.
     """
     _check(input, out, regions, rank, world_size, max_bytes, nblocks, algo)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), algo, _C.MODE_STAGED, average, input.data_ptr() == out.data_ptr())
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
             max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
     _on_device(input.device, lambda: _LAUNCHERS[algo](*args))
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def reduce_scatter(input, out, regions, rank, world_size, max_bytes, nblocks, average, timeout_s, call=0):
@@ -209,12 +196,12 @@ def reduce_scatter(input, out, regions, rank, world_size, max_bytes, nblocks, av
     """
     in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=True)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.REDUCE_SCATTER, _C.MODE_STAGED, average, in_place)
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, average,
             max(1, int(timeout_s * 1e9)), input.nbytes, kind, call)
     _on_device(input.device, lambda: scatter_gather.launch_reduce_scatter(*args))
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def all_gather(input, out, regions, rank, world_size, max_bytes, nblocks, timeout_s, call=0):
@@ -228,12 +215,12 @@ def all_gather(input, out, regions, rank, world_size, max_bytes, nblocks, timeou
     """
     in_place = _check_segments(input, out, regions, rank, world_size, max_bytes, nblocks, scatters=False)
     regions_t, status, record = _args_for(regions, input.device)
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device, mismatch_too=False)
     kind = _C.desc_kind(_C.dtype_code(input.dtype), _C.ALL_GATHER, _C.MODE_STAGED, False, in_place)
     args = (input, out, regions_t, status, rank, world_size, max_bytes, nblocks, max(1, int(timeout_s * 1e9)),
             out.nbytes, kind, call)
     _on_device(input.device, lambda: scatter_gather.launch_all_gather(*args))
-    _raise_recorded(status, record, rank, world_size, timeout_s, input.device)
+    raise_recorded(status, record, rank, world_size, timeout_s, input.device)
 
 
 def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size, nblocks, timeout_s, device, call=0,
@@ -249,7 +236,7 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
     device = torch.device(device)
     _check_group(regions, rank, world_size, nblocks, device)
     regions_t, status, record = _args_for(regions, device)
-    _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=False)
+    raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=False)
     kind = _C.desc_kind(dtype_code, algo, mode, average, in_place)
 
     def run():
@@ -259,52 +246,5 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
             torch.cuda.current_stream().synchronize()
 
     _on_device(device, run)
-    _raise_recorded(status, record, rank, world_size, timeout_s, device)
+    raise_recorded(status, record, rank, world_size, timeout_s, device)
 
-
-def _raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch_too=True):
-    """Raises what a program recorded in the status record, if anything (only
-    a deadline or an abort when not mismatch_too; signal.py explains the record).
-
-    A deadline or an abort raises RuntimeError and stays recorded: the ranks' epochs are
-    out of step, the communicator is broken. A mismatch raises CallMismatch
-    naming the first skipped call and how many followed, once no kernel on
-    these regions can still write the record: on a GPU the current stream is
-    synchronised first (every earlier launch precedes its tail), under the
-    interpreter the launch has finished. The record is then cleared. Inside a
-    CUDA graph capture nothing can wait: the record is raised and kept."""
-    if int(record[signal.STATUS_CODE.value]) == signal.CODE_OK:
-        return
-    # Read again with acquire: on a GPU the code was stored with release after
-    # the fields, which a plain read of the code does not order the host's
-    # later reads after (aarch64 hosts reorder loads).
-    code = _C.load_acquire_u32(status.data_ptr() + 4 * signal.STATUS_CODE.value)
-    if code == signal.CODE_MISMATCH.value and not mismatch_too:
-        return
-    on_gpu = device.type == "cuda"
-    capturing = on_gpu and torch.cuda.is_current_stream_capturing()
-    if code == signal.CODE_MISMATCH.value and on_gpu and not capturing:
-        torch.cuda.current_stream(device).synchronize()
-    words = status.tolist()
-    longs = status.view(torch.int64).tolist()
-    epoch = words[signal.STATUS_EPOCH.value] & 0xFFFFFFFF
-    failed_call = longs[signal.STATUS_CALL64.value]
-    if code == signal.CODE_MISMATCH.value:
-        if not capturing:
-            _new_generation(status, words[signal.STATUS_GENERATION.value] + 1)
-        words64 = longs[signal.STATUS_DESCS64.value:]
-        # (bytes, epoch, kind) per rank, from CallDesc's words: bytes, epoch | kind << 32.
-        descs = [(words64[2 * q], words64[2 * q + 1] & 0xFFFFFFFF, words64[2 * q + 1] >> 32) for q in range(world_size)]
-        raise CallMismatch(_C.mismatch_message(failed_call, epoch, descs, words[signal.STATUS_MISMATCHES.value],
-                                               longs[signal.STATUS_LAST_CALL64.value]))
-    barrier = signal.BARRIER_NAMES.get(words[signal.STATUS_BARRIER.value], "?")
-    missing = " ".join(str(q) for q in signal.missing_ranks(words[signal.STATUS_MISSING.value], world_size))
-    if code == signal.CODE_ABORTED.value:
-        raise RuntimeError(
-            f"pyallreduce: collective call {failed_call} on this communicator was aborted ({_C.ABORTED_BY}) while "
-            f"rank {rank}'s Triton program {words[signal.STATUS_PROGRAM.value]} waited in the {barrier} barrier for "
-            f"rank(s) {missing}; create a new Communicator (or process group) on the ranks that go on")
-    raise RuntimeError(
-        f"pyallreduce: rank {rank} waited past its {timeout_s:g} s deadline in the {barrier} barrier of "
-        f"collective call {failed_call} on this communicator (Triton program {words[signal.STATUS_PROGRAM.value]}); "
-        f"rank(s) {missing} never arrived there. Every rank must make the same collective calls in the same order.")

@@ -155,7 +155,7 @@ def _kernel(
     in_ptr,       # *T [n_elements]: this rank's input
     out_ptr,      # *T [n_elements]: the result (may be in_ptr: in place)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
-    status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
+    status_ptr,   # *i32 [STATUS_WORDS]: the status record (status.py)
     n_elements,   # elements of the input
     max_bytes,    # bytes of one staging buffer
     rank,         # this rank

@@ -31,7 +31,7 @@ def _reduce_scatter_kernel(
     in_ptr,       # *T [WORLD_SIZE * n_elements]: this rank's input, W segments
     out_ptr,      # *T [n_elements]: the sum of segment `rank` (may be that segment of in_ptr: in place)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
-    status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
+    status_ptr,   # *i32 [STATUS_WORDS]: the status record (status.py)
     n_elements,   # elements of one segment (S bytes)
     max_bytes,    # bytes of one staging buffer (>= W * segment_stride(S), checked by the launcher's caller)
     rank,         # this rank
@@ -82,7 +82,7 @@ def _all_gather_kernel(
     in_ptr,       # *word [n_elements]: this rank's input as words of 1, 2, 4 or 8 bytes (any dtype's bytes)
     out_ptr,      # *word [WORLD_SIZE * n_elements]: segment q = rank q's input (segment `rank` may be in_ptr)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
-    status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
+    status_ptr,   # *i32 [STATUS_WORDS]: the status record (status.py)
     n_elements,   # words of the input (S bytes)
     max_bytes,    # bytes of one staging buffer (>= S)
     rank,         # this rank

@@ -1,7 +1,7 @@
 """Signal helpers shared by the kernels: the call epoch, the flag stores and
 loads, the start of a call (descriptor, start barrier, agreement check), the
-later barriers and their deadline, the status record, and the agreement-only
-kernel. Protocol: csrc/common/protocol.h (the spec), docs/architecture.md.
+later barriers and their deadline, the writes of the status record
+(status.py), and the agreement-only kernel. Protocol: csrc/common/protocol.h (the spec), docs/architecture.md.
 
 The same code runs compiled on a GPU (peer regions mapped with CUDA IPC) and
 under TRITON_INTERPRET=1 on CPU tensors (peer regions in POSIX shared memory).
@@ -23,40 +23,6 @@ Deadline clock:
                the same call also yields the CPU, so that 4 ranks spinning on
                2 cores still let the late rank run.
 
-When a call cannot complete (a deadline passed, or the ranks' descriptors
-differ) a program fills in the status record and returns; it never traps, so
-the process's CUDA context stays usable (issue 13 item 5). The record
-(STATUS_* below) is one per communicator, first writer wins, with the code
-written last. The claim is an atomic max of the record's generation on a word
-in device memory (claim_word: the slot after the region table), won when the
-word was below it; the host advances the generation whenever it clears the
-record, so the word never needs resetting, and no atomic touches the mapped
-host memory (that would need the platform's PCIe atomics):
-  interpreter  a CPU tensor. The launcher reads it right after the launch,
-               which has finished by then: a mismatch raises CallMismatch from
-               the call itself, on every rank, and the communicator stays usable.
-  GPU          pinned host memory, which the GPU reaches through unified
-               addressing, so reading it costs the host one memory read and no
-               synchronisation: the cheapest sound choice. (Device memory would
-               need a device-to-host copy, i.e. a stream synchronisation, per
-               check.) The code is stored with st.release.sys after a CTA
-               barrier, and the host reads a nonzero code again with an
-               acquire load (pyallreduce._C.load_acquire_u32) before the
-               fields. The claim is device scope: only this process's
-               kernels write its record. The launcher checks the record before
-               every launch (a deadline: launch nothing) and after it; an
-               agreement round synchronises its stream first. A mismatch of a
-               launch the host has not waited for is raised at a later call
-               (ranks may raise it one call apart), once the current stream is
-               synchronised (every earlier launch precedes its tail: the
-               communicator's launch order), so no kernel still writes the
-               record when the host reads and clears it. Every mismatched
-               call is counted (count_mismatch), the error names the first and
-               how many followed, none of which wrote its output, and the
-               communicator stays usable: each rank's kernel left its epochs
-               in step, as on the CUDA backend. Inside a CUDA graph capture
-               nothing can wait: the record is raised and kept. Not yet run on
-               a GPU.
 Branches that hold CTA barriers (record_failure's claim broadcast and the
 barrier before the code, signal_peers) are taken by a whole program or not
 at all: a wait's outcome is one vote per program (wait_peers), a scalar
@@ -70,6 +36,10 @@ import triton
 import triton.language as tl
 
 from pyallreduce import _C
+
+from .status import (CODE_ABORTED, CODE_DEADLINE, CODE_MISMATCH, START_BARRIER, STATUS_ABORTED, STATUS_BARRIER,
+                     STATUS_CALL64, STATUS_CODE, STATUS_DESCS64, STATUS_EPOCH, STATUS_GENERATION, STATUS_LAST_CALL64,
+                     STATUS_MISMATCHES, STATUS_MISSING, STATUS_PROGRAM)
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERPRET = tl.constexpr(INTERPRET)
@@ -94,33 +64,6 @@ RANK_LANES = tl.constexpr(triton.next_power_of_2(_C.MAX_RANKS))
 NUM_WARPS = 4
 VOTE_LANES = tl.constexpr(32 * NUM_WARPS)
 
-# Which barrier a deadline passed in.
-START_BARRIER = tl.constexpr(1)
-MID_BARRIER = tl.constexpr(2)
-BARRIER_NAMES = {1: "start", 2: "mid"}
-
-# The status record, int32 words (see the module docstring). constexpr for the
-# kernels; the host reads .value.
-STATUS_CODE = tl.constexpr(0)      # CODE_*; written last
-STATUS_GENERATION = tl.constexpr(1)  # from 1, advanced by the host each time it clears the record
-STATUS_BARRIER = tl.constexpr(2)   # deadline: START_BARRIER or MID_BARRIER
-STATUS_PROGRAM = tl.constexpr(3)
-STATUS_EPOCH = tl.constexpr(4)     # e of the failed call
-STATUS_MISSING = tl.constexpr(5)   # deadline: bit q set = rank q never arrived
-STATUS_CALL64 = tl.constexpr(3)    # int64 word 3 (int32 words 6, 7): the user's call number
-STATUS_DESCS64 = tl.constexpr(4)   # int64 words 4 + 2q, 5 + 2q: rank q's descriptor as read (mismatch)
-STATUS_LAST_CALL64 = tl.constexpr(4 + 2 * _C.MAX_RANKS)  # int64 word: the last mismatched call's number
-STATUS_MISMATCHES = tl.constexpr(2 * (5 + 2 * _C.MAX_RANKS))  # mismatched calls since the host cleared the record
-# Set to 1 by the host (triton_kernels.interrupt: Communicator.abort(),
-# torch.distributed's abort of the group) and never cleared: the last word, so that clearing the
-# record (the words before it) cannot race with it. An interpreted wait reads
-# it and gives up as at its deadline (wait_peers: not yet a compiled one).
-STATUS_ABORTED = tl.constexpr(2 * (5 + 2 * _C.MAX_RANKS) + 1)
-STATUS_WORDS = 2 * (6 + 2 * _C.MAX_RANKS)
-CODE_OK = 0
-CODE_DEADLINE = tl.constexpr(1)  # a rank never arrived: epochs are out of step
-CODE_MISMATCH = tl.constexpr(2)  # descriptors differ: nothing written, epochs in step
-CODE_ABORTED = tl.constexpr(3)   # a wait gave up because the host set STATUS_ABORTED: out of step too
 
 
 if INTERPRET:
@@ -398,6 +341,3 @@ def _agree_kernel(
     e = next_epoch(own, pid)
     start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False, WORLD_SIZE)
 
-
-def missing_ranks(mask, world_size):
-    return [q for q in range(world_size) if mask >> q & 1]

@@ -7,7 +7,8 @@ import triton.language as tl
 
 from .one_shot import (CHUNK_BYTES, NUM_WARPS, copy_chunk, copy_in, full_chunks, reduce_chunk, store_chunk,
                        tail_chunk)
-from .signal import DATA_OFFSET, MID_BARRIER, MID_FLAGS_OFFSET, barrier, next_epoch, start_call
+from .signal import DATA_OFFSET, MID_FLAGS_OFFSET, barrier, next_epoch, start_call
+from .status import MID_BARRIER
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "desc_bytes", "kind", "call"])
@@ -15,7 +16,7 @@ def _kernel(
     in_ptr,       # *T [n_elements]: this rank's input
     out_ptr,      # *T [n_elements]: the result (may be in_ptr: in place)
     regions_ptr,  # *i64 [WORLD_SIZE]: base address of every rank's region, as mapped in this process
-    status_ptr,   # *i32 [STATUS_WORDS]: the status record (signal.py)
+    status_ptr,   # *i32 [STATUS_WORDS]: the status record (status.py)
     n_elements,   # elements of the input
     max_bytes,    # bytes of one staging buffer
     rank,         # this rank

@@ -279,22 +279,28 @@ void free_status(StatusRecord& rec) {
   rec = StatusRecord{};
 }
 
+// The context's own record, or null: none made (prepare not called, or it
+// failed), or only a destroyed context's at this address. Caller holds status_mutex.
+StatusRecord* own_record(const Context& ctx) {
+  auto it = status_by_context.find(&ctx);
+  return it != status_by_context.end() && it->second.own_region == ctx.own_region() ? &it->second : nullptr;
+}
+
 }  // namespace
 
 StatusRecord& record_of(const Context& ctx) {
   std::lock_guard<std::mutex> lock(status_mutex);
-  auto it = status_by_context.find(&ctx);
-  require(it != status_by_context.end() && it->second.own_region == ctx.own_region(),
+  StatusRecord* rec = own_record(ctx);
+  require(rec != nullptr,
           "this CUDA communicator has no status record (_C.cuda_prepare was not called after create_context)");
-  return it->second;
+  return *rec;
 }
 
 std::pair<cudaEvent_t, bool> launch_chain(const Context& ctx) {
   std::lock_guard<std::mutex> lock(status_mutex);
-  auto it = status_by_context.find(&ctx);
-  // No record of its own (prepare failed, or a destroyed context's at this address): nothing was launched.
-  if (it == status_by_context.end() || it->second.own_region != ctx.own_region()) return {nullptr, false};
-  return {it->second.launched, it->second.captured};
+  const StatusRecord* rec = own_record(ctx);
+  if (rec == nullptr) return {nullptr, false};  // nothing was launched
+  return {rec->launched, rec->captured};
 }
 
 namespace {
@@ -417,11 +423,9 @@ void interrupt(const Context& ctx) {
   // The mutex keeps the record from being freed meanwhile; no CUDA call is
   // ever made under it (prepare, clear_buffers), so this never waits long.
   std::lock_guard<std::mutex> lock(status_mutex);
-  auto it = status_by_context.find(&ctx);
-  if (it == status_by_context.end() || it->second.own_region != ctx.own_region() || it->second.host == nullptr) {
-    return;  // no record of its own: no kernel of it ever ran
-  }
-  __atomic_store_n(&it->second.host->aborted, 1u, __ATOMIC_RELEASE);
+  StatusRecord* rec = own_record(ctx);
+  if (rec == nullptr || rec->host == nullptr) return;  // no record of its own: no kernel of it ever ran
+  __atomic_store_n(&rec->host->aborted, 1u, __ATOMIC_RELEASE);
 }
 
 void check(Context& ctx, cudaStream_t stream) {

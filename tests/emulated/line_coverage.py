@@ -32,7 +32,7 @@ GLUE = {"csrc/cuda/adapter.cpp": "adapter.o", "csrc/cuda/glue.cpp": "glue.o", "c
         "csrc/backend.cpp": "backend.o"}  # the last: the torch.distributed backend's C++ half
 # The Python of the GPU path (ddp.py and backend.py have CPU branches too, which the CPU suites run).
 PYTHON = ("pyallreduce/engines/cuda.py", "pyallreduce/transport/cuda_ipc.py", "pyallreduce/ddp.py",
-          "pyallreduce/backend.py", "pyallreduce/communicator.py")
+          "pyallreduce/backend.py", "pyallreduce/communicator.py", "pyallreduce/eager.py")
 PY_DATA = build_emulated.OUT / "python-coverage" / "data"
 # The CPU tests of the Python GPU path (pyallreduce._C's CUDA functions stubbed) and of
 # ddp.py's and backend.py's other branches.

@@ -30,8 +30,7 @@ ROOT = build_emulated.ROOT
 TEST_CUDA = str(ROOT / "tests" / "test_cuda.py")
 LATE = {"PYALLREDUCE_EMULATED_DELAY_US": "300"}  # device work starts up to 300 us late
 
-LAZY_STATUS_RECORD = '''  auto it = status_by_context.find(&ctx);
-  if (it == status_by_context.end() || it->second.own_region != ctx.own_region()) {
+LAZY_STATUS_RECORD = '''  if (own_record(ctx) == nullptr) {
     StatusRecord& rec = status_by_context[&ctx];
     void* host = nullptr;
     check_cuda(cudaHostAlloc(&host, sizeof(CallStatus), cudaHostAllocMapped), "cudaHostAlloc");
@@ -45,17 +44,17 @@ LAZY_STATUS_RECORD = '''  auto it = status_by_context.find(&ctx);
     rec.own_region = ctx.own_region();
     return rec;
   }
-  return it->second;'''
+  return *own_record(ctx);'''
 
 # (name, [(file, original text, mutated text)], where ("emulated" or "host"), pytest arguments, extra env)
 MUTANTS = [
     ("the status record made at the first kernel call (inside a capture: the review's bug 2)",
      [("csrc/cuda/adapter.cpp", "          prepare(*ctx, current_stream(ctx->device));", "          (void)ctx;"),
       ("csrc/cuda/glue.cpp",
-       '''  auto it = status_by_context.find(&ctx);
-  require(it != status_by_context.end() && it->second.own_region == ctx.own_region(),
+       '''  StatusRecord* rec = own_record(ctx);
+  require(rec != nullptr,
           "this CUDA communicator has no status record (_C.cuda_prepare was not called after create_context)");
-  return it->second;''', LAZY_STATUS_RECORD)],
+  return *rec;''', LAZY_STATUS_RECORD)],
      "emulated", [TEST_CUDA, "-k", "readme_capture_snippet or check_graph_reads_inputs_in_place"], {}),
     ("no event wait between launches on two streams",
      [("csrc/cuda/glue.cpp", '''    check_cuda(cudaStreamWaitEvent(stream, rec.launched, 0), "cudaStreamWaitEvent");''', "")],
