@@ -403,7 +403,7 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
     rows, total_wrong = [], 0
     # "auto" runs the table's policy, reference fallback included; a named
     # algorithm always runs our kernels (Communicator's rule).
-    comm._use_crossover(table)
+    comm.crossover = table
     for algo in args.algos:
         out = torch.empty_like(x)
         comm.all_reduce(x, op=op, algo=algo, out=out)

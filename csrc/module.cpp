@@ -47,12 +47,17 @@ void destroy_context(int64_t handle, bool keep_alive) {
     auto it = registry.find(handle);
     if (it == registry.end()) return;
     ctx = it->second;
-    registry.erase(it);
-    if (keep_alive) kept_alive.push_back(ctx);
   }
-  // Wait for a collective still running in another thread before the caller unmaps.
-  std::lock_guard<std::mutex> wait(ctx->in_flight);
-  ctx->closed = true;
+  // Wait for a collective still running in another thread before the caller
+  // unmaps. The handle stays registered meanwhile, so that an abort on a third
+  // thread (abort_context) still ends that collective's wait for a peer.
+  {
+    std::lock_guard<std::mutex> wait(ctx->in_flight);
+    ctx->closed = true;
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(handle);
+  if (keep_alive) kept_alive.push_back(ctx);
 }
 
 std::shared_ptr<Context> get_context(int64_t handle) {

@@ -66,16 +66,17 @@ class Communicator:
         self._calls = 0  # calls served, numbering them for the debug fingerprint and Triton's records
         self._capturing = False
         self._closed = False
+        self._closing = None  # the engine while a close() runs: an abort on another thread still reaches its calls
         self._engine = None  # None: every call goes to torch.distributed (fallback_reason)
         self._eager = OFF  # the eager fast path (eager.py), made once here
         setup = agree_on_group(self.group, self.world_size, self.device, self.backend, engine_type, self.max_bytes,
                                engine_type.resolve_nblocks(nblocks, self.device))
-        self.nblocks, self.crossover, self.fallback_reason = setup.nblocks, setup.crossover, setup.fallback_reason
+        self.nblocks, self._crossover, self.fallback_reason = setup.nblocks, setup.crossover, setup.fallback_reason
         if self.fallback_reason is None:
             self._engine = engine_type(self.group, self.rank, self.device, self.max_bytes, self.nblocks,
                                        self.timeout_s)
             if self._engine.handle is not None and not self.debug:
-                self._eager = EagerPath(self._engine.handle, self.crossover)
+                self._eager = EagerPath(self._engine.handle, self._crossover)
             live.opened(self, setup.gpu, self.nblocks)
         else:
             logs.log_once(f"using torch.distributed.all_reduce for this group: {self.fallback_reason}")
@@ -220,7 +221,8 @@ class Communicator:
         a CUDA kernel waiting for one gives up within milliseconds, as with
         ncclCommAbort (not in the last barrier of a zero-copy call, which
         protects the peers' in-place reads; compiled Triton kernels wait for
-        their deadline), and no call starts after it; a call inside a
+        their deadline), and no call starts after it (so a close() on another
+        thread that waits for such a call ends too); a call inside a
         torch.distributed fallback ends with that collective. Then it closes
         as after an error (see close()), which is what it is: an exception
         inside `with Communicator(...)`, garbage collection and process exit
@@ -229,24 +231,34 @@ class Communicator:
         """
         self._close(sync=False, end_kernels=True)
 
-    def _interrupt(self):
-        """abort()'s first half: a call or kernel waiting gives up, none starts (Engine.interrupt)."""
-        engine = self._engine  # read once: a close() on another thread may clear it
+    def _interrupt(self, end_kernels=True):
+        """abort()'s first half: a call or kernel waiting gives up, none starts
+        (Engine.interrupt); also while a close() on another thread waits for one."""
+        engine = self._engine  # each read once, in the order _close() moves the engine
+        if engine is None:
+            engine = self._closing
         if engine is not None:
-            engine.interrupt(end_kernels=True)
+            engine.interrupt(end_kernels)
 
     def _close(self, sync, end_kernels=False):
         if self._closed:
+            if not sync:  # an abort (or exit) beside a close() that may wait for a call in flight
+                self._interrupt(end_kernels)
             return
         self._closed = True
         live.closed(self)
-        engine, self._engine, self._eager = self._engine, None, OFF
-        if engine is not None:
+        engine = self._closing = self._engine  # until its close returns: _interrupt() reaches it there
+        self._engine, self._eager = None, OFF
+        if engine is None:
+            return
+        try:
+            if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
+                engine.interrupt(end_kernels)
+        finally:
             try:
-                if not sync:  # without the peers: a call waiting on another thread (at exit, a daemon's) gives up first
-                    engine.interrupt(end_kernels)
-            finally:
                 engine.close(sync)
+            finally:
+                self._closing = None
 
     @property
     def closed(self):
@@ -277,11 +289,20 @@ class Communicator:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how}, "
                 f"max_bytes={self.max_bytes})")
 
-    def _use_crossover(self, crossover):
-        """"auto" by another crossover row (bench/compare_nccl.py times its --crossovers-file's)."""
-        self.crossover = crossover
-        if self._eager is not OFF:
-            self._eager = EagerPath(self._eager.handle, crossover)
+    @property
+    def crossover(self):
+        """The crossover row "auto" follows (policy.py; every rank's is rank 0's)."""
+        return self._crossover
+
+    @crossover.setter
+    def crossover(self, row):
+        # Another row (bench/compare_nccl.py times its --crossovers-file's), for the eager path too.
+        self._crossover = row
+        eager = self._eager  # read once: a close() on another thread sets OFF
+        if eager is not OFF:
+            self._eager = EagerPath(eager.handle, row)
+            if self._closed:  # that close ran meanwhile: its OFF stands
+                self._eager = OFF
 
     def _direct_segments(self, collective, src, dst, average):
         """Whether the eager fast path ran this reduce-scatter or all-gather."""
@@ -361,9 +382,9 @@ class Communicator:
 
     def _fallback(self, reason, collective, src, dst, average):
         """The call by torch.distributed for `reason`, after the agreement round."""
-        # Skipped inside a capture: run() still raises there before anything is enqueued (check_capturable).
+        reference.announce(reason, collective, self.device, self.group)
         self._agree(src, dst, average, _C.MODE_FALLBACK, collective)
-        reference.run(reason, collective, src, dst, average, self.group, self.world_size, self.device)
+        reference.run(collective, src, dst, average, self.group, self.world_size)
 
     def _agree(self, src, dst, average, mode, collective=_C.AGREE_ONLY):
         """The agreement round of a call the kernels do not run (a fallback, an
@@ -391,4 +412,3 @@ class Communicator:
             raise RuntimeError("pyallreduce: this communicator was closed or aborted on another thread during "
                                "this call; create a new Communicator (or process group) on the ranks that go on")
         return engine
-

@@ -16,12 +16,17 @@ _dist_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 _dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
-def run(reason, collective, src, dst, average, group, world_size, device):
-    """The call (collective: _C.AGREE_ONLY for an all-reduce, REDUCE_SCATTER,
-    ALL_GATHER) by torch.distributed, saying once why it comes here."""
+def announce(reason, collective, device, group):
+    """Says once why a call (collective: _C.AGREE_ONLY for an all-reduce,
+    REDUCE_SCATTER, ALL_GATHER) comes here, and raises before anything is
+    enqueued where it cannot run now (check_capturable)."""
     if not torch.compiler.is_compiling():
         logs.log_once(f"torch.distributed used for {COLLECTIVE_NAMES[collective]}: {reason}")
         check_capturable(device, group, reason)
+
+
+def run(collective, src, dst, average, group, world_size):
+    """The call by torch.distributed."""
     if collective == _C.AGREE_ONLY:
         all_reduce(src, dst, average, group, world_size)
     else:

@@ -165,6 +165,30 @@ def test_the_close_at_exit_interrupts_a_daemon_thread_waiting_for_a_peer():
     run_ranks(exits_beside_a_waiting_daemon_thread, 2, timeout=120)
 
 
+def abort_beside_a_close_waiting_for_a_call(rank, world):
+    """close() on another thread waits for a call in flight, which waits for a
+    peer that never comes (its deadline: 600 s). abort() from a watchdog must
+    still end that call, and with it the close, at once."""
+    comm = make_comm(timeout=600)
+    x = torch.ones(100)
+    assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
+    if rank == 0:
+        closer = threading.Timer(1.0, comm.close)  # by then the call below waits for rank 1
+        closer.start()
+        raises_when_a_watchdog_aborts(comm, lambda: comm.all_reduce(x),
+                                      r"collective call 2 on this communicator was aborted .* for rank\(s\) 1; ",
+                                      after_s=3.0)
+        closer.join(60)
+        assert not closer.is_alive(), "the close beside the aborted call did not return"
+        assert not own_segments_mapped(), "a segment stays mapped after the close and the abort"
+    dist.barrier()  # gloo, outside the communicator: rank 1 never made the second call
+    comm.close()
+
+
+def test_abort_ends_a_call_that_a_close_on_another_thread_waits_for():
+    run_ranks(abort_beside_a_close_waiting_for_a_call, 2, timeout=120)
+
+
 def aborted_between_chunks(rank, world):
     """abort() on another thread between two chunks of a call (played here
     by the engine's first chunk calling it): the next chunk raises what

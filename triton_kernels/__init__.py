@@ -247,4 +247,3 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
 
     _on_device(device, run)
     raise_recorded(status, record, rank, world_size, timeout_s, device)
-

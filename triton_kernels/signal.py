@@ -65,7 +65,6 @@ NUM_WARPS = 4
 VOTE_LANES = tl.constexpr(32 * NUM_WARPS)
 
 
-
 if INTERPRET:
     def clock_ns():
         # Plain Python on purpose (see the module docstring). sched_yield hands
@@ -340,4 +339,3 @@ def _agree_kernel(
     own = tl.load(regions_ptr + rank)
     e = next_epoch(own, pid)
     start_call(regions_ptr, own, pid, rank, e, desc_bytes, kind, timeout_ns, status_ptr, call, False, WORLD_SIZE)
-
