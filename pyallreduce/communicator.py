@@ -221,13 +221,14 @@ class Communicator:
         a CUDA kernel waiting for one gives up within milliseconds, as with
         ncclCommAbort (not in the last barrier of a zero-copy call, which
         protects the peers' in-place reads; compiled Triton kernels wait for
-        their deadline), and no call starts after it (so a close() on another
-        thread that waits for such a call ends too); a call inside a
+        their deadline), and no call starts after it; a call inside a
         torch.distributed fallback ends with that collective. Then it closes
         as after an error (see close()), which is what it is: an exception
         inside `with Communicator(...)`, garbage collection and process exit
         interrupt such calls too (not kernels: their peers may be only late).
-        Safe to call twice, and after close().
+        Beside a close() running on another thread it only interrupts: that
+        close stops waiting for such a call, and stays collective. Safe to
+        call twice, and after close().
         """
         self._close(sync=False, end_kernels=True)
 

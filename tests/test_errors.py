@@ -173,11 +173,19 @@ def abort_beside_a_close_waiting_for_a_call(rank, world):
     x = torch.ones(100)
     assert torch.equal(comm.all_reduce(x), torch.full((100,), float(world)))
     if rank == 0:
-        closer = threading.Timer(1.0, comm.close)  # by then the call below waits for rank 1
+        closer = threading.Timer(1.5, comm.close)  # by then the call below waits for rank 1
+        closing_when_aborted = []
+
+        def watchdog():
+            closing_when_aborted.append(closer.is_alive() and comm._closing is not None)
+            type(comm).abort(comm)
+
+        comm.abort = watchdog  # what raises_when_a_watchdog_aborts runs
         closer.start()
         raises_when_a_watchdog_aborts(comm, lambda: comm.all_reduce(x),
                                       r"collective call 2 on this communicator was aborted .* for rank\(s\) 1; ",
-                                      after_s=3.0)
+                                      after_s=3.5)
+        assert closing_when_aborted == [True], "the close was not waiting for the call when the abort came"
         closer.join(60)
         assert not closer.is_alive(), "the close beside the aborted call did not return"
         assert not own_segments_mapped(), "a segment stays mapped after the close and the abort"
