@@ -867,6 +867,33 @@ def check_abort_ends_waiting_kernels(rank, world):
         assert torch.equal(fresh.all_reduce(y).cpu(), exact_sum(1000, world, torch.float32, 6))
 
 
+def check_abort_beside_a_close_waiting_for_kernels(rank, world):
+    """close() on another thread waits for this device's kernels, one of which
+    waits for a peer that never makes the call (600 s deadline): abort() from
+    a watchdog ends that kernel's wait, and the close goes on (collective: it
+    returns once the peer has closed too). Nothing stays mapped."""
+    import threading
+
+    torch.cuda.set_device(0)
+    comm = make_comm(timeout=600)
+    x = on_gpu(exact_input(1000, rank, torch.float32, 5))
+    assert torch.equal(comm.all_reduce(x).cpu(), exact_sum(1000, world, torch.float32, 5))
+    if rank == 0:
+        comm.all_reduce_(x)  # launched: its kernel waits for rank 1, which closes instead
+        closer = threading.Thread(target=comm.close)
+        closer.start()
+        time.sleep(2.0)
+        assert closer.is_alive() and comm._closing is not None, "the close did not wait for the kernel"
+        start = time.monotonic()
+        comm.abort()
+        closer.join(60)
+        assert not closer.is_alive(), "the close did not go on after the abort ended the kernel's wait"
+        assert time.monotonic() - start < 60
+    else:
+        comm.close()  # collective: returns once rank 0's close reaches the unmapping
+    assert peer_mappings() in (None, 0), f"{peer_mappings()} peer mappings left after the close"
+
+
 def check_backend_abort_beside_a_waiting_kernel(rank, world, store_file):
     """torch's _abort_process_group on one rank while its kernel waits on the
     device for a peer that never calls, and that peer does not abort with it:
@@ -1221,6 +1248,10 @@ def test_backend_with_cuda_tensors(tmp_path):
 
 def test_abort_ends_waiting_kernels():
     run_ranks(check_abort_ends_waiting_kernels, 2, timeout=240)
+
+
+def test_abort_beside_a_close_waiting_for_kernels():
+    run_ranks(check_abort_beside_a_close_waiting_for_kernels, 2, timeout=240)
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),

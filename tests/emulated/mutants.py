@@ -137,6 +137,11 @@ MUTANTS = [
     ("an abort that leaves a CUDA kernel waiting for a peer until its deadline (no cuda_interrupt)",
      [("csrc/module.cpp", "  if (end_kernels && ctx->is_cuda) cuda_interrupt(*ctx);\n", "")],
      "emulated", [TEST_CUDA, "-k", "abort_ends_waiting_kernels"], {}),
+    ("an abort beside a close() on another thread not reaching the engine that close still holds",
+     [("pyallreduce/communicator.py",
+       "            if not sync:  # an abort (or exit) beside a close() that may wait for a call in flight\n"
+       "                self._interrupt(end_kernels)\n", "")],
+     "emulated", [TEST_CUDA, "-k", "abort_beside_a_close"], {}),
     ("the Triton status record and region table made at the first call, with no capture check (the review's bug 3)",
      [("pyallreduce/engines/triton.py", "lambda: triton_kernels.prepare(self.transport.regions, device))\n",
        "lambda: None)\n"),
