@@ -78,10 +78,11 @@ constexpr int64_t kSleepOffset = kDescOffset + kDescArrayBytes;
 constexpr int64_t kSignalBytes = kSleepOffset + 64;
 constexpr int64_t kDataOffset = (kSignalBytes + kAlignment - 1) / kAlignment * kAlignment;
 
-// How often a GPU kernel's wait (CUDA and Triton), once it has lasted this
-// long, reads its communicator's "aborted" word in pinned host memory: an
-// abort ends a waiting kernel within about this long, and a wait whose peers
-// arrive in time never reads host memory.
+// How often a CUDA kernel's wait, once it has lasted this long, reads its
+// communicator's "aborted" word in pinned host memory: an abort ends a waiting
+// kernel within about this long, and a wait whose peers arrive in time never
+// reads host memory. (Triton's interpreted waits read it every round; its
+// compiled ones do not yet.)
 constexpr int64_t kAbortLookNs = 1000000;
 
 // Algorithm ids as passed to the custom op (pyallreduce/communicator.py maps names).

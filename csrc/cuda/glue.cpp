@@ -424,7 +424,7 @@ void interrupt(const Context& ctx) {
   // ever made under it (prepare, clear_buffers), so this never waits long.
   std::lock_guard<std::mutex> lock(status_mutex);
   StatusRecord* rec = own_record(ctx);
-  if (rec == nullptr || rec->host == nullptr) return;  // no record of its own: no kernel of it ever ran
+  if (rec == nullptr) return;  // no record of its own: no kernel of it ever ran
   __atomic_store_n(&rec->host->aborted, 1u, __ATOMIC_RELEASE);
 }
 
