@@ -173,3 +173,33 @@ def test_cpu_device_kind_names_model_and_isa():
 
     assert policy.device_kind("cpu") == f"cpu:{policy.cpu_model()}:{C.cpu_isa()}"
     assert C.cpu_isa() in ("generic", "avx2", "avx512")
+
+
+def _auto_follows_a_new_crossover_row(rank, world):
+    import dataclasses
+    from unittest import mock
+
+    import torch
+
+    import pyallreduce
+    from pyallreduce import reference
+
+    with pyallreduce.Communicator(max_bytes=64 << 10) as comm:
+        x = torch.full((64,), float(rank + 1))
+        with mock.patch.object(reference, "run", wraps=reference.run) as by_torch:
+            assert torch.equal(comm.all_reduce(x), torch.full((64,), 3.0))
+            kernels_first = not by_torch.called
+            comm.crossover = dataclasses.replace(comm.crossover, reference_min_bytes=0)  # the reference wins at any size
+            assert torch.equal(comm.all_reduce(x), torch.full((64,), 3.0))
+            assert torch.equal(comm.all_reduce_(x.clone()), torch.full((64,), 3.0))
+            return kernels_first, by_torch.call_count
+
+
+def test_auto_follows_the_crossover_row_set_on_a_communicator():
+    """`comm.crossover = row` (the benchmark's --crossovers-file, tests) steers
+    "auto" on the eager fast path too, not only on the general path: with a
+    row where the reference always wins, eager calls go to torch.distributed."""
+    from launch import run_ranks
+
+    for kernels_first, by_torch in run_ranks(_auto_follows_a_new_crossover_row, 2, timeout=120):
+        assert kernels_first and by_torch == 2, (kernels_first, by_torch)
