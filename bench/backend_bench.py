@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
 import pyallreduce
-from pyallreduce.backend import CompletedWork
+from pyallreduce.backend import _finished
 from pyallreduce.reference import _dist_all_gather, _dist_reduce_scatter
 
 from compare_nccl import machine_description, size_range, slowest_rank_stats, time_cpu
@@ -39,7 +39,7 @@ FLOOR = "pyallreduce_floor"
 
 class FloorBackend(_C10dBackend):
     """torch.distributed's dispatch floor for a Python backend: every served
-    collective does nothing and returns the pyallreduce backend's completed Work."""
+    collective does nothing and returns the pyallreduce backend's Work of a finished call."""
 
     def __init__(self, store, rank, world_size, timeout):
         super().__init__(rank, world_size)
@@ -48,13 +48,13 @@ class FloorBackend(_C10dBackend):
         return FLOOR
 
     def allreduce(self, tensors, opts):
-        return CompletedWork(tensors)
+        return _finished(tensors)
 
     def reduce_scatter_single(self, output, input, opts):
-        return CompletedWork([output])
+        return _finished([output])
 
     def all_gather_single(self, output, input, opts):
-        return CompletedWork([output])
+        return _finished([output])
 
 
 

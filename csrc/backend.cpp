@@ -28,12 +28,18 @@ void pyallreduce::bind_backend(pybind11::module_&) {}
 #else
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pyobject_preservation.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/op_args.h"
@@ -47,44 +53,90 @@ namespace {
 
 namespace py = pybind11;
 
-// The Work of a call issued here. A CPU call has finished; a CUDA kernel is
-// enqueued on the current stream, and the future was completed on that stream
-// (its events follow the kernel), so wait() makes the caller's current stream
-// wait for the collective, not the host: NCCL's semantics.
-class IssuedWork : public c10d::Work {
+// The Work of every call this backend runs itself, on the fast path below or
+// through the Python subclass (backend.py's `_finished`): the call has run
+// (CPU) or its kernel is enqueued on the stream current at the call (CUDA).
+// One class for both, with the contract of gloo's and NCCL's Works
+// (tests/test_work_contract.py): wait() returns True or raises the call's
+// error; is_completed() is true once the collective has finished (CUDA: its
+// kernel, as NCCL's); result() and the future's value are the output tensors;
+// getFutureResult() is NCCL's SUCCESS / COMM_ERROR code. For CUDA the future was
+// completed on the launch stream (its events follow the kernel), so wait(),
+// synchronize() and blockCurrentStream() make the caller's current stream wait
+// for the collective, not the host, as NCCL's do; wait() with a timeout also
+// blocks the host until the kernel ended (raising past the timeout), as NCCL's
+// does. Inside a CUDA graph capture the graph orders the captured work: no events.
+class FinishedWork : public c10d::Work {
  public:
-  explicit IssuedWork(c10::intrusive_ptr<c10::ivalue::Future> future) : future_(std::move(future)) {}
+  FinishedWork(std::vector<at::Tensor> result, std::exception_ptr error) : result_(std::move(result)) {
+    std::vector<c10::Device> devices;
+#ifdef PYALLREDUCE_WITH_CUDA
+    for (const at::Tensor& t : result_) {
+      if (t.is_cuda() && !error && !cuda_current_stream_capturing(t.get_device())) {
+        devices.push_back(t.device());
+        done_.emplace(c10::DeviceType::CUDA);
+        done_->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device()));
+        break;
+      }
+    }
+#endif
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::move(devices));
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(result_));
+    }
+  }
 
-  bool isCompleted() override { return true; }
+  bool isCompleted() override { return !done_ || done_->query(); }
   bool isSuccess() const override { return !future_->hasError(); }
   std::exception_ptr exception() const override { return future_->exception_ptr(); }
-  std::vector<at::Tensor> result() override { return future_->value().toTensorVector(); }
+  std::vector<at::Tensor> result() override { return result_; }
   void synchronize() override { future_->wait(); }
-  bool wait(std::chrono::milliseconds) override {
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (done_ && timeout != ::kNoTimeout) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      py::gil_scoped_release nogil;  // torch's binding releases it; a C++ caller may hold it
+      while (!done_->query()) {
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "pyallreduce: the collective did not finish within ",
+                    timeout.count(), " ms of Work.wait(timeout); its kernel waits for a peer until the "
+                    "communicator's own deadline, then records the ranks that never arrived");
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
     future_->waitAndThrow();
     return true;
   }
   void blockCurrentStream() override { future_->wait(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override {
+    auto code = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+    code->markCompleted(c10::IValue(static_cast<int64_t>(
+        future_->hasError() ? c10d::WorkResult::COMM_ERROR : c10d::WorkResult::SUCCESS)));
+    return code;
+  }
 
  private:
+  std::vector<at::Tensor> result_;
+  std::optional<c10::Event> done_;  // CUDA, not captured: recorded after the kernel
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 c10::intrusive_ptr<c10d::Work> issued(const at::Tensor& result, std::exception_ptr error) {
-  std::vector<c10::Device> devices;
-#ifdef PYALLREDUCE_WITH_CUDA
-  // Inside a CUDA graph capture the graph itself orders the captured work: no events.
-  if (result.is_cuda() && !cuda_current_stream_capturing(result.get_device())) devices.push_back(result.device());
-#endif
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                         std::move(devices));
-  if (error) {
-    future->setError(error);
-  } else {
-    future->markCompleted(c10::IValue(std::vector<at::Tensor>{result}));
-  }
-  return c10::make_intrusive<IssuedWork>(std::move(future));
+  return c10::make_intrusive<FinishedWork>(std::vector<at::Tensor>{result}, std::move(error));
+}
+
+// A Python exception as a C++ one that torch turns back into the same Python
+// object (type, message, traceback) each time it is raised again: wait(), the
+// future's wait(), DDP's reducer. (pybind11's error_already_set can be raised
+// into Python only once.)
+std::exception_ptr as_exception_ptr(py::handle error) {
+  if (error.is_none()) return nullptr;
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  python_error e;
+  e.persist();
+  return std::make_exception_ptr(std::move(e));
 }
 
 // The communicators this thread is inside (a served call, a construction, a
@@ -100,45 +152,13 @@ bool is_serving(const void* backend) {
   return false;
 }
 
-// The Work a Python method returned (the inner backend's, or backend.py's
-// CompletedWork), with its Python object held, every Work method forwarded to
-// it. (torch's PyWorkHolder forwards wait() and getFuture() only: is_completed(),
-// exception() or a recv from any source's source rank then fail or lie.)
-class HeldWork : public c10d::Work {
- public:
-  explicit HeldWork(py::object work) : work_(work.cast<c10::intrusive_ptr<c10d::Work>>()), py_(std::move(work)) {}
-  ~HeldWork() override {
-    py::gil_scoped_acquire gil;  // to drop the Python object
-    py_ = py::object();
-  }
-
-  bool isCompleted() override { return work_->isCompleted(); }
-  bool isSuccess() const override { return work_->isSuccess(); }
-  std::exception_ptr exception() const override { return work_->exception(); }
-  int sourceRank() const override { return work_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return work_->result(); }
-  // wait(), not the Work's own synchronize()/blockCurrentStream(): torch's
-  // Python Work trampoline forwards only wait() and getFuture(), so for
-  // backend.py's CompletedWork those would reach Work's base versions, which
-  // order nothing. wait() is what orders the caller's current stream after
-  // the call for every Work held here (CompletedWork's and NCCL's make the
-  // stream wait; gloo's has finished when it returns).
-  void synchronize() override { work_->wait(); }
-  bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
-  void blockCurrentStream() override { work_->wait(); }
-  void abort() override { work_->abort(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return work_->getFutureResult(); }
-
- private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  py::object py_;
-};
-
 // The Python subclass's method `pyname` for the Backend method `name`, as
 // torch's trampoline (c10d::PyBackend) calls it. Not that trampoline itself:
 // its lookup matches the Python object's C++ type exactly, which here is
-// ServingBackend, so it would find no Python method.
+// ServingBackend, so it would find no Python method. The Work it returns is a
+// C++ one (FinishedWork, or the inner backend's), handed to torch as it is: a
+// Python subclass of Work would answer only wait() and get_future() (torch's
+// Python-Work trampoline forwards nothing else), so backend.py makes none.
 #define PYTHON_WORK(name, pyname, ...)                                                              \
   do {                                                                                             \
     py::gil_scoped_acquire gil;                                                                    \
@@ -146,7 +166,7 @@ class HeldWork : public c10d::Work {
     if (!method) return Backend::name(__VA_ARGS__);                                                \
     py::object work = method(__VA_ARGS__);                                                         \
     if (work.is_none()) return {};                                                                 \
-    return c10::make_intrusive<HeldWork>(std::move(work));                                         \
+    return work.cast<c10::intrusive_ptr<c10d::Work>>();                                            \
   } while (false)
 
 class ServingBackend : public c10d::Backend {
@@ -358,6 +378,15 @@ class ServingBackend : public c10d::Backend {
 
 void bind_backend(pybind11::module_& m) {
   py::module_::import("torch.distributed");  // registers c10d.Backend, the base class below
+  m.def(
+      "finished_work",
+      [](std::vector<at::Tensor> result, py::object error) {
+        return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<FinishedWork>(std::move(result),
+                                                                                as_exception_ptr(error)));
+      },
+      py::arg("result"), py::arg("error") = py::none(),
+      "The Work of a call the backend ran: result (its output tensors) or error (the exception its wait() "
+      "raises); CUDA: ordered after the kernels enqueued on the current stream (csrc/backend.cpp FinishedWork)");
   py::class_<ServingBackend::Scope>(m, "_ServingScope")
       .def("__enter__", [](ServingBackend::Scope& s) { s.enter(); })
       .def("__exit__", [](ServingBackend::Scope& s, py::args) {

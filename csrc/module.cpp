@@ -40,21 +40,26 @@ int64_t register_context(std::unique_ptr<Context> ctx) {
   return handle;
 }
 
-void destroy_context(int64_t handle, bool keep_alive) {
+std::shared_ptr<Context> seal_context(int64_t handle) {
   std::shared_ptr<Context> ctx;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto it = registry.find(handle);
-    if (it == registry.end()) return;
+    if (it == registry.end()) return nullptr;
     ctx = it->second;
   }
   // Wait for a collective still running in another thread before the caller
-  // unmaps. The handle stays registered meanwhile, so that an abort on a third
-  // thread (abort_context) still ends that collective's wait for a peer.
-  {
-    std::lock_guard<std::mutex> wait(ctx->in_flight);
-    ctx->closed = true;
-  }
+  // frees or unmaps what it uses. The handle stays registered meanwhile, so
+  // that an abort on a third thread (abort_context) still ends that
+  // collective's wait for a peer.
+  std::lock_guard<std::mutex> wait(ctx->in_flight);
+  ctx->closed = true;
+  return ctx;
+}
+
+void destroy_context(int64_t handle, bool keep_alive) {
+  std::shared_ptr<Context> ctx = seal_context(handle);
+  if (ctx == nullptr) return;
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.erase(handle);
   if (keep_alive) kept_alive.push_back(ctx);
@@ -436,6 +441,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"));
   // Both wait for a call in flight on another thread, which may need the GIL to finish.
+  m.def(
+      "seal_context", [](int64_t handle) { seal_context(handle); }, py::arg("handle"),
+      "refuses every later collective on the context and waits for one in flight on another thread; the "
+      "handle stays registered (abort_context reaches it) until destroy_context",
+      py::call_guard<py::gil_scoped_release>());
   m.def("destroy_context", &destroy_context, py::arg("handle"), py::arg("keep_alive") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("abort_context", &abort_context, py::arg("handle"), py::arg("end_kernels"),

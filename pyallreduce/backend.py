@@ -40,14 +40,12 @@ more than such a call); everything else comes to the methods below. The turn
 and the per-thread "serving" mark live in C++, where that fast path reads them.
 """
 import datetime
-import functools
-
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Work as _C10dWork
 
 from . import _C, logs
 from .communicator import Communicator
+from .engines import stream_capturing
 
 NAME = "pyallreduce"
 INNER_PREFIX = "pyallreduce_inner/"  # the inner backends' keys in the group's store
@@ -86,63 +84,14 @@ DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "al
              "send", "recv", "recv_anysource", "barrier", "allgather_coalesced")
 
 
-class CompletedWork(_C10dWork):
-    """The Work of a call that has been issued: wait() returns True or raises the
-    call's error; get_future() holds the list of tensors, or the error.
-
-    CPU calls have finished when the Work is made. CUDA kernels are enqueued on
-    the stream that was current at the call (`launch_stream`), and the Work has
-    NCCL's stream semantics: wait() makes the caller's current stream wait for
-    that stream (not the host), and the future is CUDA-aware, so its value and
-    callbacks are ordered after the collective on whichever stream uses them.
-    (Written from torch's documented Future(devices=...) semantics; not yet run
-    on a GPU.)"""
-
-    def __init__(self, tensors, error=None, launch_stream=None):
-        super().__init__()
-        self._tensors, self._error, self._future = tensors, error, None
-        self._done = None  # CUDA: an event recorded after the collective on launch_stream
-        self._launch_stream = launch_stream
-        if launch_stream is not None and error is None:
-            self._done = torch.cuda.Event()
-            self._done.record(launch_stream)
-
-    def wait(self, timeout=None):
-        if self._error is not None:
-            raise self._error
-        if self._done is not None:
-            torch.cuda.current_stream(self._launch_stream.device).wait_event(self._done)
-        return True
-
-    def get_future(self):
-        if self._future is None:  # made on demand: most callers only wait()
-            if self._done is not None:
-                future = torch.futures.Future(devices=[self._launch_stream.device])
-                with torch.cuda.stream(self._launch_stream):  # its events: after the collective
-                    future.set_result(self._tensors)
-            else:
-                future = torch.futures.Future()
-                future.set_result(self._tensors)
-            if self._error is not None:
-                # Not Future.set_exception: that error lives in the Python wrapper only, and
-                # C++ (DDP's reducer, work.get_future() from Python) would see it as the value.
-                # A raising callback marks the C++ future itself as failed.
-                future = future.then(functools.partial(_raise, self._error))
-            self._future = future
-        return self._future
-
-    def is_completed(self):
-        return True
-
-    def is_success(self):
-        return self._error is None
-
-    def exception(self):
-        return self._error
-
-
-def _raise(error, _future):
-    raise error
+def _finished(result, error=None):
+    """The Work of a call run here (csrc/backend.cpp FinishedWork, the fast
+    path's too): wait() returns True or raises `error`; for CUDA tensors it is
+    ordered after the kernels enqueued on the current stream, as NCCL's Work.
+    A C++ Work, not a Python subclass of Work: torch's Python-Work trampoline
+    forwards only wait() and get_future(), so is_completed(), exception() and
+    result() would answer for the base class (never completed)."""
+    return _C.finished_work([t for ts in result for t in (ts if isinstance(ts, list) else (ts,))], error)
 
 
 class PyallreduceBackend(_C.ServingBackend):
@@ -245,12 +194,8 @@ class PyallreduceBackend(_C.ServingBackend):
             try:
                 run(self._comms.get(device) or self._communicator(device))
             except Exception as e:
-                return CompletedWork(result, e)
-        if not tensors[0].is_cuda:
-            return CompletedWork(result)
-        # Inside a CUDA graph capture the graph itself orders the captured work.
-        return CompletedWork(result, None, None if torch.cuda.is_current_stream_capturing()
-                             else torch.cuda.current_stream(device))
+                return _finished(result, e)
+        return _finished(result)
 
     def _communicator(self, device):
         """The Communicator for `device`, made at its first call; from then on the
@@ -260,7 +205,7 @@ class PyallreduceBackend(_C.ServingBackend):
             raise RuntimeError(f"pyallreduce: this {NAME} process group was destroyed")
         comm = self._comms.get(device)
         if comm is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if stream_capturing(device):
                 # Creating one allocates device memory and opens IPC handles, which a
                 # capture does not permit (it would invalidate the user's graph).
                 raise RuntimeError(f"pyallreduce: the first collective of this {NAME} process group on {device} "
@@ -320,21 +265,22 @@ class PyallreduceBackend(_C.ServingBackend):
                 _logged(comm.abort, "aborting its communicator")
 
     def _release(self):
+        """Ends every part, each error logged, never raised: torch calls this
+        inside destroy_process_group, which an exception would leave with its
+        tables half cleared (as NCCL's shutdown, it reports and goes on)."""
         # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
         with self._scope(turn=True, serve=False):
             comms = self._end()
-            try:
-                # A CUDA communicator's close is collective (its transport agrees
-                # with the peers through this very group, which torch still routes
-                # here during destroy_process_group): serving, so that exchange
-                # goes to the inner backends, which close only after it.
-                with self._scope(turn=False, serve=True):
-                    for comm in comms:
-                        comm.close()
-            finally:
-                for inner in self._inner.values():
-                    inner.shutdown()
+            # A CUDA communicator's close is collective (its transport agrees
+            # with the peers through this very group, which torch still routes
+            # here during destroy_process_group): serving, so that exchange
+            # goes to the inner backends, which close only after it.
+            with self._scope(turn=False, serve=True):
+                for comm in comms:
+                    _logged(comm.close, "closing its communicator")
+            for inner in self._inner.values():
+                _logged(inner.shutdown, "shutting down its inner backend")
 
     def _end(self):
         """Marks the group ended (the caller holds the turn); returns the

@@ -34,8 +34,16 @@ def run(collective, src, dst, average, group, world_size):
 
 
 def _check_average(dtype, average):
-    if average and not (dtype.is_floating_point or dtype.is_complex):
+    if average and dtype == torch.bool:
         raise ValueError(f"pyallreduce: op='avg' is not defined for {dtype}; use op='sum'")
+
+
+def _average(total, world_size):
+    """NCCL's ncclAvg: the sum divided by the ranks; integers truncated toward zero, as NCCL's are."""
+    if total.dtype.is_floating_point or total.dtype.is_complex:
+        total.div_(world_size)
+    else:
+        total.div_(world_size, rounding_mode="trunc")
 
 
 def all_reduce(src, dst, average, group, world_size):
@@ -45,7 +53,7 @@ def all_reduce(src, dst, average, group, world_size):
     work = dst if dst is src and dst.is_contiguous() else src.contiguous().clone()
     dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
     if average:
-        work.div_(world_size)
+        _average(work, world_size)
     if work is not dst:
         dst.copy_(work)
 
@@ -57,25 +65,33 @@ def scatter_or_gather(scatters, src, dst, average, group, world_size):
     if scatters:
         _dist_reduce_scatter(work, src.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
         if average:
-            work.div_(world_size)
+            _average(work, world_size)
     else:
         _dist_all_gather(work, src.contiguous().view(-1), group=group)
     dst.copy_(work.view(dst.shape))
 
 
+# The torch.distributed backends whose collectives on CUDA tensors a CUDA graph
+# captures: NCCL, and pyallreduce's own (its Communicator's kernels are
+# captured, and what it does not run goes to its inner NCCL backend).
+CAPTURABLE_BACKENDS = ("nccl", "pyallreduce")
+
+
 def check_capturable(device, group, reason):
     """Raises, before anything is enqueued, when a call going to
     torch.distributed (for `reason`) cannot run now: a CUDA graph captures
-    torch.distributed's all-reduce only over NCCL; over gloo it invalidates
-    the capture with an error that does not say why this call went there."""
+    torch.distributed's all-reduce only over CAPTURABLE_BACKENDS; over gloo it
+    invalidates the capture with an error that does not say why this call
+    went there. The backend asked is the one the group runs `device`'s
+    tensors on, not the group's name ("cpu:gloo,cuda:nccl", "pyallreduce")."""
     if not stream_capturing(device):
         return
-    backend = str(dist.get_backend(group))
-    if "nccl" not in backend:
+    backend = (group if group is not None else dist.group.WORLD)._get_backend(device).name()
+    if backend not in CAPTURABLE_BACKENDS:
         raise RuntimeError(
             f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "
-            f"{backend!r} cannot run inside a CUDA graph capture; give the Communicator a group with NCCL "
-            "for CUDA tensors, or make this call outside the capture")
+            f"for CUDA tensors {backend!r} cannot run inside a CUDA graph capture; give the Communicator a "
+            "group with NCCL (or pyallreduce) for CUDA tensors, or make this call outside the capture")
 
 
 def check_fingerprint(call, src, average, algo, group, world_size):

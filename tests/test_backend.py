@@ -628,7 +628,7 @@ def _first_cuda_call_in_capture(rank, world_size, store_file):
     before anything is created. The capture state is stubbed (no GPU here)."""
     reinit("pyallreduce", store_file)
     backend = dist.group.WORLD._get_backend(CPU)
-    torch.cuda.is_current_stream_capturing = lambda: True
+    pyallreduce.backend.stream_capturing = lambda device: True
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*make one collective call on this device "
                                            "before capturing"):
         backend._communicator(torch.device("cuda", 0))
@@ -637,3 +637,55 @@ def _first_cuda_call_in_capture(rank, world_size, store_file):
 
 def test_the_first_cuda_call_inside_a_capture_is_refused(tmp_path):
     run_ranks(_first_cuda_call_in_capture, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _fallback_in_capture(rank, world_size, store_file):
+    """Issue 38's third bug: a Communicator's call that goes to torch.distributed
+    inside a CUDA graph capture (float64, sizes past the crossover, a group that
+    fell back) was refused on a "pyallreduce" group, whose CUDA tensors go to
+    its kernels or its inner NCCL backend, both of which a graph captures. The
+    check asks the backend that serves the group's CUDA tensors. The capture
+    state is stubbed (no GPU here)."""
+    from pyallreduce import reference
+
+    reinit("pyallreduce", store_file)
+    gloo = dist.new_group(backend="gloo")
+    cuda = torch.device("cuda", 0)
+    reference.stream_capturing = lambda device: True
+    reference.check_capturable(cuda, None, "dtype torch.float64")  # the pyallreduce world group: capturable
+    with pytest.raises(RuntimeError, match="backend for CUDA tensors 'gloo' cannot run inside a CUDA graph capture"):
+        reference.check_capturable(cuda, gloo, "dtype torch.float64")
+
+
+def test_a_fallback_inside_a_capture_on_a_pyallreduce_group_is_allowed(tmp_path):
+    run_ranks(_fallback_in_capture, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _release_error(rank, world_size, store_file):
+    """A communicator whose close raises inside destroy_process_group: torch's
+    destroy returns (the error is logged, not raised out of it half done), the
+    inner backends are shut down, and a new group works."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("pyallreduce").addHandler(handler)
+    impl = reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))
+    comm = impl._comms[CPU]
+    real_close = comm.close
+
+    def failing_close():
+        real_close()
+        raise RuntimeError("an unmapping failed")
+
+    comm.close = failing_close
+    dist.destroy_process_group()
+    assert not dist.is_initialized() and comm.closed
+    assert any("closing its communicator failed: an unmapping failed" in r.getMessage() for r in records)
+    assert_a_new_group_sums(rank, world_size, store_file)
+
+
+def test_an_error_closing_a_communicator_does_not_escape_destroy_process_group(tmp_path):
+    run_ranks(_release_error, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)

@@ -825,6 +825,45 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     assert_a_new_gpu_group_sums(rank, world, store_file)
 
 
+def check_work_contract(rank, world, store_file):
+    """The Work contract (tests/work_contract.py) for CUDA Works of the
+    backend: the fast path's and the Python path's, succeeding, and failing on
+    an argument check (a kernel's recorded failure raises at the next call or
+    comm.check(), not from the Work of the call that recorded it).
+    is_completed() follows the kernel, as NCCL's does: the polling loop ends
+    once it ran. (The inner backend's Works are NCCL's own.)"""
+    import torch.distributed as dist
+
+    import pyallreduce  # noqa: F401  (registers the backend)
+    from work_contract import assert_failed, assert_succeeded, observe
+
+    torch.cuda.set_device(0)
+    dist.destroy_process_group()  # run_ranks' gloo group
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    impl = dist.group.WORLD._get_backend(torch.device("cuda"))
+    for salt, path in ((20, "python"), (21, "fast")):  # the first call makes the Communicator
+        x = on_gpu(exact_input(4096, rank, torch.float32, salt))
+        if rank == 1:
+            time.sleep(0.2)  # rank 0's kernel waits for it meanwhile
+        before = impl.fast_calls
+        work = dist.all_reduce(x, async_op=True)
+        assert (impl.fast_calls > before) == (path == "fast"), path
+        assert_succeeded(observe(work, path), [exact_sum(4096, world, torch.float32, salt)], f"all_reduce, {path}")
+    parts = [on_gpu(torch.zeros(512)) for _ in range(world)]
+    work = dist.all_gather(parts, on_gpu(exact_input(512, rank, torch.float32, 22)), async_op=True)
+    assert_succeeded(observe(work, "all_gather (list)"), [exact_input(512, q, torch.float32, 22) for q in range(world)],
+                     "all_gather (list)")
+    work = dist.all_gather_into_tensor(on_gpu(torch.zeros(7)), on_gpu(torch.ones(4)), async_op=True)
+    assert_failed(observe(work, "wrong output size"), "ValueError", "all_gather_into_tensor, wrong output size")
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
+                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
+def test_work_contract(tmp_path):
+    run_ranks(check_work_contract, 2, str(tmp_path / "store"), timeout=240)
+
+
 def assert_a_new_gpu_group_sums(rank, world, store_file):
     """After the group ended: a new "pyallreduce" group starts and sums CUDA tensors exactly."""
     import torch.distributed as dist

@@ -197,6 +197,41 @@ def test_abort_ends_a_call_that_a_close_on_another_thread_waits_for():
     run_ranks(abort_beside_a_close_waiting_for_a_call, 2, timeout=120)
 
 
+def sealed_beside_a_call(rank, world):
+    """_C.seal_context, the CUDA close's first step (issue 38's second bug: the
+    CUDA close freed the status record under a call still running on another
+    thread): it returns only once the call in flight on another thread ended,
+    later calls are refused, and the handle stays registered for an abort."""
+    import threading
+
+    from pyallreduce import _C
+
+    comm = make_comm(timeout=60)
+    x = torch.ones(1000)
+    if rank == 1:
+        time.sleep(2.0)  # rank 0's call waits for this one meanwhile
+        assert torch.equal(comm.all_reduce(x), torch.full((1000,), float(world)))
+        comm.close()
+        return None
+    ended = []
+    call = threading.Thread(target=lambda: ended.append((comm.all_reduce(x), time.monotonic())))
+    call.start()
+    time.sleep(0.5)
+    _C.seal_context(comm._engine.handle)
+    sealed_at = time.monotonic()
+    call.join(60)
+    assert ended and torch.equal(ended[0][0], torch.full((1000,), float(world))), "the call in flight failed"
+    assert ended[0][1] <= sealed_at, "seal_context returned while the call of the other thread was in flight"
+    expect(RuntimeError, "this communicator is closed", comm._engine.all_reduce, x, x, _C.ONE_SHOT, False, 0)
+    _C.abort_context(comm._engine.handle, False)  # still registered: found, nothing in flight
+    comm.close()
+    return None
+
+
+def test_seal_waits_for_a_call_on_another_thread_and_refuses_later_ones():
+    run_ranks(sealed_beside_a_call, 2, timeout=120)
+
+
 def aborted_between_chunks(rank, world):
     """abort() on another thread between two chunks of a call (played here
     by the engine's first chunk calling it): the next chunk raises what

@@ -112,7 +112,7 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     import torch
     import torch.distributed as dist
 
-    from pyallreduce import communicator
+    from pyallreduce import communicator, engines
     from pyallreduce.engines import cuda
     from pyallreduce.transport import cuda_ipc
 
@@ -137,7 +137,8 @@ def exit_capture(rank, world, captured, unexportable=(), fail_set_on=None, abort
     comm._engine, comm._capturing, comm.device = engine, False, engine.device
     error = None
     with mock.patch.object(cuda, "_C", table), \
-            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
+            mock.patch.object(cuda, "stream_capturing", lambda device: False), \
+            mock.patch.object(engines, "stream_capturing", lambda device: False):
         try:
             with comm.capture():
                 assert table.opened and comm._capturing

@@ -310,9 +310,15 @@ def fallbacks(rank, world):
             assert torch.equal(comm.all_reduce(x), want), dtype
         assert torch.equal(comm.all_reduce(torch.full((3,), 2.0, dtype=torch.float64), op="avg"),
                            torch.full((3,), 2.0, dtype=torch.float64))
+        # Integer avg as NCCL's ncclAvg: the sum divided, truncated toward zero.
+        for dtype in (torch.int64, torch.int32):
+            x = torch.tensor([3, -3, 4], dtype=dtype) + rank
+            want = (torch.tensor([3, -3, 4], dtype=dtype) * world + sum(range(world))) \
+                .div(world, rounding_mode="trunc")
+            assert torch.equal(comm.all_reduce(x, op="avg"), want), dtype
         try:
-            comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
-            raise AssertionError("avg of integers must be refused")
+            comm.all_reduce(torch.ones(3, dtype=torch.bool), op="avg")
+            raise AssertionError("avg of bool must be refused")
         except ValueError as e:
             assert "op='sum'" in str(e)
     messages = [r.getMessage() for r in records]

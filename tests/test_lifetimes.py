@@ -197,6 +197,9 @@ class FakeCuda:
         returned, self.clear_returns = self.clear_returns, []  # the C++ table's references go to the caller
         return returned
 
+    def seal_context(self, handle):
+        self.events.append(("seal",))  # no call of another thread runs or starts from here
+
     def destroy_context(self, handle, keep_alive=False):
         self.events.append(("destroy",))
 
@@ -428,6 +431,9 @@ def test_closing_the_communicator_keeps_captured_inputs_until_peers_unmapped(how
     for rank, (events, alive, parked) in enumerate(results):
         kinds = [e[0] for e in events]
         assert kinds.index("sync") < kinds.index("clear") < kinds.index("destroy") < kinds.index("close"), events
+        # Issue 38's second bug: a call of another thread freed under (the status record, by
+        # clear) or launching a kernel after the wait: the context is sealed before either.
+        assert kinds.index("seal") < kinds.index("sync"), events
         if how == "close":
             assert kinds[-1] == "free" and kinds.count("gather") == 2 and kinds.count("close") == 1, events
             assert all(e == ("gather", clear_returns_tensors) for e in events if e[0] == "gather"), \

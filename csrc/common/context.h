@@ -46,8 +46,9 @@ struct Context {
   // kLivenessCheckPeriod), and no later call starts. An abort also ends a
   // CUDA kernel's wait within kAbortLookNs (the status record's `aborted`).
   std::atomic<bool> aborted{false};
-  // Set by destroy_context under in_flight: a thread that fetched the context
-  // just before close() must not touch the (soon unmapped) regions.
+  // Set by seal_context (destroy_context's first step) under in_flight: a
+  // thread that fetched the context just before close() must not touch the
+  // (soon freed or unmapped) status record and regions.
   bool closed = false;
   // Collectives started on this context (agreement rounds included): the "call
   // N" of error messages, counted from 1.
@@ -86,6 +87,11 @@ int64_t register_context(std::unique_ptr<Context> ctx);
 // by its address (status record, graph table), stays allocated until the
 // process exits, and no new context takes its address.
 void destroy_context(int64_t handle, bool keep_alive = false);
+// destroy_context's first step, alone: sets `closed` once no call is in flight
+// (waiting for one on another thread) and returns the context, or null for a
+// handle not registered. The handle stays registered: the CUDA close seals,
+// waits for its kernels and frees the status record, then destroys.
+std::shared_ptr<Context> seal_context(int64_t handle);
 std::shared_ptr<Context> get_context(int64_t handle);
 // Sets the context's `aborted` and waits until no call of it is in flight;
 // nothing for a handle already destroyed. end_kernels (an abort, not every

@@ -124,6 +124,8 @@ void bind_cuda(py::module_& m) {
         "whether addr's allocation can be exported with legacy CUDA IPC");
   m.def("cuda_can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
   m.def("cuda_pci_bus_id", &pci_bus_id, py::arg("device"));
+  m.def("cuda_current_stream_capturing", &cuda_current_stream_capturing, py::arg("device"),
+        "whether torch's current stream of this device is being captured into a CUDA graph");
   m.def("cuda_device_by_pci_bus_id", &device_by_pci_bus_id, py::arg("bus_id"));
   m.def("cuda_wait_for_launches", [](int device, int64_t launched, bool captured) {
           wait_until_unused(device, reinterpret_cast<cudaEvent_t>(launched), captured);

@@ -171,8 +171,15 @@ def set_up_on_every_rank(engine, group, set_up) -> None:
 
 
 def stream_capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether the current stream of `device` (not of the current device: a
+    call on cuda:1 may come while cuda:0 is current) is being captured into a
+    CUDA graph."""
+    if device.type != "cuda":
+        return False
+    if _C.WITH_CUDA:
+        return _C.cuda_current_stream_capturing(device.index)
+    with torch.cuda.device(device):  # the Triton engine in a build without the CUDA kernels
+        return torch.cuda.is_current_stream_capturing()
 
 
 @contextlib.contextmanager

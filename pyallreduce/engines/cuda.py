@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 
 from .. import _C, logs
 from ..protocol import staged_piece_bytes
 from ..transport import cuda_ipc  # its functions looked up at each call: tests stub them there
-from . import set_up_on_every_rank
+from . import set_up_on_every_rank, stream_capturing
 from .native import NativeEngine, checked_nblocks
 
 CUDA_NBLOCKS = 32  # not yet measured on a GPU; see README
@@ -124,7 +123,7 @@ class CudaEngine(NativeEngine):
         calls, calls_without_entry, problem = [], 0, CAPTURE_ABORTED if aborted else None
         try:
             calls, calls_without_entry = _C.cuda_graph_capture_end(self.handle)
-            if torch.cuda.is_current_stream_capturing():
+            if stream_capturing(self.device):
                 problem = problem or ("leave comm.capture() after the torch.cuda.graph(...) capture "
                                       "ended, not inside it")
         except RuntimeError as e:
@@ -174,12 +173,15 @@ class CudaEngine(NativeEngine):
     def close(self, sync):
         try:
             if self.handle is not None:
-                # No kernel of ours may read the graph table or the status record
+                # First no call of another thread runs or starts (seal_context waits for
+                # one in flight): such a call uses the status record and may launch a
+                # kernel that nothing below would wait for. Then no kernel of ours may read the graph table or the status record
                 # while they are freed; if that cannot be known (a replay beside
                 # another thread's capture, an unusable device), they stay, with the
                 # context. The inputs of zero-copy graph entries, which peers map,
                 # come back: the transport drops them with the registered buffers,
                 # after every rank has unmapped them (or never, without sync).
+                _C.seal_context(self.handle)
                 try:
                     self.wait_until_unused()
                 except Exception as e:  # CUDA errors of a failed device come in several types

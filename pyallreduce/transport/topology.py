@@ -1,7 +1,7 @@
 """The GPU topology a CUDA communicator needs, decided collectively: every rank
 on one host, a full peer-to-peer mesh, and an IPC probe that shows every
-rank's writes arriving in every peer's memory. Cached per group and device,
-on every rank alike."""
+rank's writes arriving in every peer's memory. Cached per group and every
+rank's GPU, on every rank alike."""
 import ctypes
 
 import torch
@@ -112,19 +112,21 @@ def check_topology(group=None, device=None):
     Every rank on one host, at most MAX_RANKS ranks, every pair of distinct
     GPUs peer-capable (and NVLink-connected when NVML is installed: the
     driver's can-access-peer alone is not trusted), and a real IPC write/read
-    probe between every pair of ranks. Every rank gets the same answer. The
-    result is cached per (group members, device index) in this process, only
-    when every rank identified its GPU: the ranks then all cache it, and all
-    later calls skip the gathers together (a rank that misses while its peers
-    hit would wait in a gather they never make).
+    probe between every pair of ranks. Every rank gets the same answer.
+
+    The answer is cached per (group members, every rank's host and GPU), in
+    this process, only when every rank identified its GPU. The key is made of
+    what every rank has gathered, never of this rank's own device alone: the
+    ranks then all hit or all miss, and a miss makes the same gathers on every
+    rank (ranks whose devices changed differently, one keeping cuda:0 while
+    another moves to cuda:1, would otherwise pair a hit's next gather with a
+    miss's probe). A hit costs the one gather of the facts; the probe and its
+    barriers are what it skips.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     index = cuda_ipc._device_index(device)
     members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    key = (members, index)
-    if key in _topology_cache:
-        return _topology_cache[key]
     # A failing CUDA call on one rank must not leave the others waiting in a
     # collective: errors are carried through the gathers below instead.
     try:
@@ -133,6 +135,9 @@ def check_topology(group=None, device=None):
         bus, error = None, str(e)
 
     facts = cuda_ipc.gather((host_id(), bus), group)
+    key = (members, tuple(facts))
+    if key in _topology_cache:
+        return _topology_cache[key]
     hosts = sorted({h for h, _ in facts})
     if world > _C.MAX_RANKS:
         result = (False, f"world size {world} exceeds {_C.MAX_RANKS}")

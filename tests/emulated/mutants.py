@@ -82,7 +82,7 @@ MUTANTS = [
        "            pass")],
      "emulated", [TEST_CUDA, "-k", "close_after_captures"], {}),
     ("comm.capture() left inside the graph capture not refused (registers there)",
-     [("pyallreduce/engines/cuda.py", "            if torch.cuda.is_current_stream_capturing():\n",
+     [("pyallreduce/engines/cuda.py", "            if stream_capturing(self.device):\n",
        "            if False:\n")],
      "emulated", [TEST_CUDA, "-k", "left_inside_the_graph_capture"], {}),
     ("comm.capture()'s exit writes graph entries though its wait for the kernels was refused",
