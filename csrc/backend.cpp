@@ -97,7 +97,9 @@ class FinishedWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override {
     if (done_ && timeout != ::kNoTimeout) {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
-      py::gil_scoped_release nogil;  // torch's binding releases it; a C++ caller may hold it
+      // torch's Python binding has released the GIL; a C++ caller may hold it.
+      std::optional<py::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
       while (!done_->query()) {
         TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "pyallreduce: the collective did not finish within ",
                     timeout.count(), " ms of Work.wait(timeout); its kernel waits for a peer until the "
