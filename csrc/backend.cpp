@@ -68,18 +68,16 @@ namespace py = pybind11;
 // does. Inside a CUDA graph capture the graph orders the captured work: no events.
 class FinishedWork : public c10d::Work {
  public:
-  FinishedWork(std::vector<at::Tensor> result, std::exception_ptr error) : result_(std::move(result)) {
+  // stream_device: the CUDA device whose current stream the call's kernels
+  // were enqueued on, or none (CPU, a failed call, or inside a capture).
+  FinishedWork(std::vector<at::Tensor> result, std::exception_ptr error, std::optional<c10::Device> stream_device)
+      : result_(std::move(result)) {
     std::vector<c10::Device> devices;
-#ifdef PYALLREDUCE_WITH_CUDA
-    for (const at::Tensor& t : result_) {
-      if (t.is_cuda() && !error && !cuda_current_stream_capturing(t.get_device())) {
-        devices.push_back(t.device());
-        done_.emplace(c10::DeviceType::CUDA);
-        done_->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device()));
-        break;
-      }
+    if (stream_device && !error) {
+      devices.push_back(*stream_device);
+      done_.emplace(c10::DeviceType::CUDA);
+      done_->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(*stream_device));
     }
-#endif
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
                                                        std::move(devices));
     if (error) {
@@ -126,7 +124,11 @@ class FinishedWork : public c10d::Work {
 };
 
 c10::intrusive_ptr<c10d::Work> issued(const at::Tensor& result, std::exception_ptr error) {
-  return c10::make_intrusive<FinishedWork>(std::vector<at::Tensor>{result}, std::move(error));
+  std::optional<c10::Device> stream_device;
+#ifdef PYALLREDUCE_WITH_CUDA
+  if (result.is_cuda() && !cuda_current_stream_capturing(result.get_device())) stream_device = result.device();
+#endif
+  return c10::make_intrusive<FinishedWork>(std::vector<at::Tensor>{result}, std::move(error), stream_device);
 }
 
 // A Python exception as a C++ one that torch turns back into the same Python
@@ -382,13 +384,14 @@ void bind_backend(pybind11::module_& m) {
   py::module_::import("torch.distributed");  // registers c10d.Backend, the base class below
   m.def(
       "finished_work",
-      [](std::vector<at::Tensor> result, py::object error) {
-        return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<FinishedWork>(std::move(result),
-                                                                                as_exception_ptr(error)));
+      [](std::vector<at::Tensor> result, py::object error, std::optional<c10::Device> stream_device) {
+        return c10::intrusive_ptr<c10d::Work>(
+            c10::make_intrusive<FinishedWork>(std::move(result), as_exception_ptr(error), stream_device));
       },
-      py::arg("result"), py::arg("error") = py::none(),
+      py::arg("result"), py::arg("error") = py::none(), py::arg("stream_device") = py::none(),
       "The Work of a call the backend ran: result (its output tensors) or error (the exception its wait() "
-      "raises); CUDA: ordered after the kernels enqueued on the current stream (csrc/backend.cpp FinishedWork)");
+      "raises); stream_device: the CUDA device on whose current stream its kernels were enqueued, which the "
+      "Work then follows (csrc/backend.cpp FinishedWork)");
   py::class_<ServingBackend::Scope>(m, "_ServingScope")
       .def("__enter__", [](ServingBackend::Scope& s) { s.enter(); })
       .def("__exit__", [](ServingBackend::Scope& s, py::args) {

@@ -84,14 +84,17 @@ DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "al
              "send", "recv", "recv_anysource", "barrier", "allgather_coalesced")
 
 
-def _finished(result, error=None):
+def _finished(result, error=None, device=None):
     """The Work of a call run here (csrc/backend.cpp FinishedWork, the fast
-    path's too): wait() returns True or raises `error`; for CUDA tensors it is
-    ordered after the kernels enqueued on the current stream, as NCCL's Work.
+    path's too): wait() returns True or raises `error`; for CUDA tensors (on
+    `device`) it is ordered after the kernels enqueued on its current stream,
+    as NCCL's Work (inside a capture the graph orders them: no events).
     A C++ Work, not a Python subclass of Work: torch's Python-Work trampoline
     forwards only wait() and get_future(), so is_completed(), exception() and
     result() would answer for the base class (never completed)."""
-    return _C.finished_work([t for ts in result for t in (ts if isinstance(ts, list) else (ts,))], error)
+    follows = device is not None and device.type == "cuda" and error is None and not stream_capturing(device)
+    return _C.finished_work([t for ts in result for t in (ts if isinstance(ts, list) else (ts,))], error,
+                            device if follows else None)
 
 
 class PyallreduceBackend(_C.ServingBackend):
@@ -195,7 +198,7 @@ class PyallreduceBackend(_C.ServingBackend):
                 run(self._comms.get(device) or self._communicator(device))
             except Exception as e:
                 return _finished(result, e)
-        return _finished(result)
+        return _finished(result, device=device)
 
     def _communicator(self, device):
         """The Communicator for `device`, made at its first call; from then on the
