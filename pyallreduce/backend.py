@@ -40,6 +40,7 @@ more than such a call); everything else comes to the methods below. The turn
 and the per-thread "serving" mark live in C++, where that fast path reads them.
 """
 import datetime
+
 import torch
 import torch.distributed as dist
 
