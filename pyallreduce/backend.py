@@ -94,8 +94,7 @@ def _finished(result, error=None, device=None):
     forwards only wait() and get_future(), so is_completed(), exception() and
     result() would answer for the base class (never completed)."""
     follows = device is not None and device.type == "cuda" and error is None and not stream_capturing(device)
-    return _C.finished_work([t for ts in result for t in (ts if isinstance(ts, list) else (ts,))], error,
-                            device if follows else None)
+    return _C.finished_work(result, error, device if follows else None)
 
 
 class PyallreduceBackend(_C.ServingBackend):
@@ -179,7 +178,7 @@ class PyallreduceBackend(_C.ServingBackend):
             for q, out in enumerate(output_lists[0]):
                 out.copy_(gathered[q].view(out.shape))
         return self._serve("allgather", [*output_lists[0], *inputs], (output_lists, inputs, opts), run,
-                           result=output_lists)
+                           result=output_lists[0])
 
     def _serve(self, name, tensors, args, run, result=None):
         """Runs run(communicator) for a call whose tensors are all on one CPU or

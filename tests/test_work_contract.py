@@ -22,7 +22,7 @@ if not hasattr(pyallreduce._C, "ServingBackend"):
     pytest.skip(f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})",
                 allow_module_level=True)
 from launch import run_ranks
-from work_contract import SUCCESS, assert_failed, assert_succeeded, observe, plain
+from work_contract import assert_failed, assert_succeeded, observe, plain
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -81,13 +81,13 @@ def _failing(rank, world, group):
                                                        async_op=True), "RuntimeError")
 
 
-def _contract(rank, world, store_file):
-    del store_file
+def _contract(rank, world):
     gloo = dist.group.WORLD
     ours = dist.new_group(backend="pyallreduce")
     impl = ours._get_backend(CPU)
     assert type(impl) is pyallreduce.backend.PyallreduceBackend, type(impl)
-    reference = [(name, observe(work, name, poll=False), outputs) for name, work, outputs, _ in _cases(rank, world, gloo)]
+    reference = [(name, observe(work, name, poll=False), outputs)
+                 for name, work, outputs, _ in _cases(rank, world, gloo)]
     cases, fast_calls = _cases(rank, world, ours), 0
     for ref_name, answers, ref_outputs in reference:
         before = impl.fast_calls
@@ -112,9 +112,8 @@ def _contract(rank, world, store_file):
     assert torch.equal(x, _x(0) + _x(1))
     assert impl.fast_calls == fast_calls + 2
     dist.destroy_process_group(ours)
-    return SUCCESS
 
 
 @pytest.mark.quick
-def test_every_work_kind_answers_as_gloos(tmp_path):
-    run_ranks(_contract, WORLD, str(tmp_path / "store"), timeout=120)
+def test_every_work_kind_answers_as_gloos():
+    run_ranks(_contract, WORLD, timeout=120)

@@ -66,6 +66,11 @@ def observe(work, what, poll=True):
     }
 
 
+def _assert_answers(answers, want, what):
+    wrong = {k: (answers[k], v) for k, v in want.items() if answers[k] != v}
+    assert not wrong, f"{what}: (got, expected) {wrong}"
+
+
 def assert_succeeded(answers, outputs, what):
     """The contract of a Work of ours that succeeded: `outputs` are the call's
     output tensors, as result() and the future's value give them."""
@@ -82,8 +87,7 @@ def assert_succeeded(answers, outputs, what):
         "get_future_result().wait()": ("returns", SUCCESS),
         "wait(timeout)": ("returns", True),
     }
-    wrong = {k: (answers[k], v) for k, v in want.items() if answers[k] != v}
-    assert not wrong, f"{what}: (got, expected) {wrong}"
+    _assert_answers(answers, want, what)
 
 
 def assert_failed(answers, error_type, what):
@@ -97,7 +101,6 @@ def assert_failed(answers, error_type, what):
         "get_future_result().wait()": ("returns", COMM_ERROR),
         "wait(timeout)": ("raises", error_type),
     }
-    wrong = {k: (answers[k], v) for k, v in want.items() if answers[k] != v}
-    assert not wrong, f"{what}: (got, expected) {wrong}"
+    _assert_answers(answers, want, what)
     kind, (_, name, _) = answers["exception()"]
     assert kind == "returns" and name == error_type, f"{what}: exception() gave {answers['exception()']}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 from .. import _C, logs
 from ..protocol import staged_piece_bytes
 from ..transport import cuda_ipc  # its functions looked up at each call: tests stub them there
@@ -175,12 +174,13 @@ class CudaEngine(NativeEngine):
             if self.handle is not None:
                 # First no call of another thread runs or starts (seal_context waits for
                 # one in flight): such a call uses the status record and may launch a
-                # kernel that nothing below would wait for. Then no kernel of ours may read the graph table or the status record
-                # while they are freed; if that cannot be known (a replay beside
-                # another thread's capture, an unusable device), they stay, with the
-                # context. The inputs of zero-copy graph entries, which peers map,
-                # come back: the transport drops them with the registered buffers,
-                # after every rank has unmapped them (or never, without sync).
+                # kernel that nothing below would wait for. Then no kernel of ours may
+                # read the graph table or the status record while they are freed; if
+                # that cannot be known (a replay beside another thread's capture, an
+                # unusable device), they stay, with the context. The inputs of zero-copy
+                # graph entries, which peers map, come back: the transport drops them
+                # with the registered buffers, after every rank has unmapped them (or
+                # never, without sync).
                 _C.seal_context(self.handle)
                 try:
                     self.wait_until_unused()
