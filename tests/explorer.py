@@ -1,0 +1,274 @@
+"""A seeded explorer of the lifecycle and threading state space, on the CPU
+engine: random sequences of what users do to communicators and to a
+"pyallreduce" process group, in orders nobody wrote a test for, with the
+invariants checked after every step.
+
+Every rank draws its steps from random.Random(seed), so all ranks take the
+same steps (collective ones pair up); a step's choice of one rank (the one
+that aborts) is drawn too. The steps:
+
+  construct      a Communicator in one of two slots, over the gloo world group
+                 or the "pyallreduce" group, with a random staging size
+  call           an eager all_reduce / all_reduce_ / reduce_scatter /
+                 all_gather on a slot: every kernel dtype and the fallback
+                 ones (int64: the agreement round, then torch.distributed),
+                 sum and avg, sizes from one element to several staging buffers
+  backend        a dist.* collective on the "pyallreduce" group: the C++ fast
+                 path and the Python path, sync and async; every async Work
+                 must keep the Work contract (tests/work_contract.py)
+  threads        both slots' communicators used at once by two threads per rank
+  close          a slot's communicator closed (collectively)
+  abort          one rank's call waits for peers that never make it, and a
+                 watchdog thread aborts it: the call raises a named error, the
+                 other ranks abort theirs without it
+  regroup        the "pyallreduce" group destroyed and a new one made (its
+                 communicators closed first, as a program must)
+
+Invariants: every call returns the exact result (integer-valued inputs) or
+the step's expected named error; every thread and Work ends within its bound;
+at the end nothing of ours is mapped or left in /dev/shm (the caller checks
+the latter). A failure names the seed and the steps that led to it:
+`python tests/explorer.py --seed N --steps K --world W` replays it.
+"""
+import argparse
+import random
+import re
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import pyallreduce  # registers the "pyallreduce" backend
+from reference import exact_input, fp32_reduction
+from work_contract import assert_succeeded, observe
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FALLBACK_DTYPES = (torch.int64, torch.float64)
+NUMELS = (1, 7, 257, 4099, 70_001)  # 70_001 fp32 elements pass the largest staging size below
+MAX_BYTES = (4 << 10, 64 << 10, 256 << 10)
+STEP_KINDS = ("construct", "call", "call", "backend", "backend", "threads", "close", "abort", "regroup")
+JOIN_S = 60.0  # bound on every thread a step starts; far above any step on a loaded 2-core VM
+
+
+def expected_reduction(inputs, average):
+    """What every rank must get: the product's fp32 rule for kernel dtypes;
+    the exact sum (ncclAvg's truncation for integers) for fallback ones."""
+    if inputs[0].dtype in KERNEL_DTYPES:
+        return fp32_reduction(inputs, average)
+    total = sum(inputs[1:], inputs[0].clone())
+    if not average:
+        return total
+    return total.div(len(inputs), rounding_mode="trunc") if not total.dtype.is_floating_point \
+        else total / len(inputs)
+
+
+class Explorer:
+    def __init__(self, rank, world, seed):
+        self.rank, self.world, self.rng = rank, world, random.Random(seed)
+        self.slots = [None, None]  # Communicators
+        self.group = dist.new_group(backend="pyallreduce")
+        self.salt = 0
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def inputs(self, numel, dtype):
+        """This rank's input and every rank's (the same salt on every rank)."""
+        self.salt += 1
+        every = [exact_input(numel, q, dtype, self.salt) for q in range(self.world)]
+        return every[self.rank].clone(), every
+
+    def comm(self, slot):
+        if self.slots[slot] is None:
+            self.construct(slot)
+        return self.slots[slot]
+
+    def drawn_call(self, kernels_only=False):
+        """(collective, dtype, numel, op, algo), the same on every rank.
+        kernels_only: no dtype whose call goes to torch.distributed, which two
+        threads may not use at once on one group (its collectives would pair
+        across ranks in whichever order the threads came)."""
+        rng = self.rng
+        collective = rng.choice(("all_reduce", "all_reduce_", "reduce_scatter", "all_gather"))
+        dtype = rng.choice(KERNEL_DTYPES + FALLBACK_DTYPES if collective.startswith("all_reduce") and not kernels_only
+                           else KERNEL_DTYPES)
+        numel = rng.choice(NUMELS) * (self.world if collective == "reduce_scatter" else 1)
+        op = "sum" if collective == "all_gather" else rng.choice(("sum", "avg"))
+        algo = rng.choice(("auto", "one_shot", "two_shot"))
+        return collective, dtype, numel, op, algo
+
+    def run_call(self, comm, drawn):
+        collective, dtype, numel, op, algo = drawn
+        x, every = self.inputs(numel, dtype)
+        if collective == "all_gather":
+            got, want = comm.all_gather(x), torch.cat(every)
+        elif collective == "reduce_scatter":
+            seg = numel // self.world
+            got = comm.reduce_scatter(x, op=op)
+            want = expected_reduction(every, op == "avg")[self.rank * seg:(self.rank + 1) * seg]
+        elif collective == "all_reduce_":
+            comm.all_reduce_(x, op=op, algo=algo)
+            got, want = x, expected_reduction(every, op == "avg")
+        else:
+            got, want = comm.all_reduce(x, op=op, algo=algo), expected_reduction(every, op == "avg")
+        assert got.dtype == want.dtype and torch.equal(got, want), \
+            f"{drawn}: wrong result, first differences at {(got != want).nonzero()[:5].flatten().tolist()}"
+
+    def joined(self, threads):
+        for t in threads:
+            t.join(JOIN_S)
+        assert not any(t.is_alive() for t in threads), f"a thread did not end within {JOIN_S:.0f} s"
+
+    # ---- steps -------------------------------------------------------------------
+
+    def construct(self, slot=None):
+        slot = self.rng.randrange(2) if slot is None else slot
+        on_backend_group = self.rng.random() < 0.5
+        max_bytes = self.rng.choice(MAX_BYTES)
+        self.close(slot)
+        self.slots[slot] = pyallreduce.Communicator(self.group if on_backend_group else None, device="cpu",
+                                                    max_bytes=max_bytes, timeout=60)
+        return f"construct slot {slot} on the {'pyallreduce' if on_backend_group else 'gloo'} group, " \
+               f"max_bytes {max_bytes}"
+
+    def call(self):
+        slot, drawn = self.rng.randrange(2), self.drawn_call()
+        self.run_call(self.comm(slot), drawn)
+        return f"call {drawn} on slot {slot}"
+
+    def backend(self):
+        rng, g = self.rng, self.group
+        kind = rng.choice(("all_reduce", "all_reduce strided", "all_gather list", "reduce_scatter_tensor",
+                           "all_gather_into_tensor", "broadcast"))
+        dtype = rng.choice(KERNEL_DTYPES + (torch.int64,))
+        numel = rng.choice(NUMELS[:4]) * self.world
+        async_op = rng.random() < 0.5
+        x, every = self.inputs(numel, dtype)
+        if kind == "all_reduce":
+            outputs, want = [x], [expected_reduction(every, False)]
+            work = dist.all_reduce(x, group=g, async_op=async_op)
+        elif kind == "all_reduce strided":
+            x = x.view(self.world, -1).t()  # not contiguous: the Python path
+            outputs, want = [x], [expected_reduction([e.view(self.world, -1).t() for e in every], False)]
+            work = dist.all_reduce(x, group=g, async_op=async_op)
+        elif kind == "all_gather list":
+            outputs, want = [torch.empty_like(x) for _ in range(self.world)], every
+            work = dist.all_gather(outputs, x, group=g, async_op=async_op)
+        elif kind == "reduce_scatter_tensor":
+            seg = numel // self.world
+            outputs = [torch.empty(seg, dtype=dtype)]
+            want = [expected_reduction(every, False)[self.rank * seg:(self.rank + 1) * seg]]
+            work = dist.reduce_scatter_tensor(outputs[0], x, group=g, async_op=async_op)
+        elif kind == "all_gather_into_tensor":
+            outputs, want = [torch.empty(numel * self.world, dtype=dtype)], [torch.cat(every)]
+            work = dist.all_gather_into_tensor(outputs[0], x, group=g, async_op=async_op)
+        else:
+            outputs, want = [x], [every[0]]
+            work = dist.broadcast(x, 0, group=g, async_op=async_op)
+        what = f"backend {kind} {dtype} x{numel}{' async' if async_op else ''}"
+        if async_op and kind != "broadcast":  # broadcast's Work is gloo's own
+            assert_succeeded(observe(work, what), want, what)
+        elif async_op:
+            work.wait()
+        for got, w in zip(outputs, want, strict=True):
+            assert torch.equal(got, w), f"{what}: wrong result"
+        return what
+
+    def threads(self):
+        drawn = [[self.drawn_call(kernels_only=True) for _ in range(self.rng.randint(1, 4))] for _ in range(2)]
+        comms = [self.comm(0), self.comm(1)]
+        saved_salt, errors = self.salt, []
+
+        def run(slot):
+            try:
+                worker = Explorer.__new__(Explorer)  # its own salts: both threads draw the same inputs
+                worker.rank, worker.world, worker.salt = self.rank, self.world, saved_salt + 1000 * (slot + 1)
+                for d in drawn[slot]:
+                    worker.run_call(comms[slot], d)
+            except BaseException as e:  # noqa: BLE001  (reported below, with the step)
+                errors.append(f"slot {slot}: {e!r}")
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+        for t in threads:
+            t.start()
+        self.joined(threads)
+        assert not errors, errors
+        return f"threads {drawn}"
+
+    def close(self, slot=None):
+        slot = self.rng.randrange(2) if slot is None else slot
+        if self.slots[slot] is not None:
+            self.slots[slot].close()
+            self.slots[slot] = None
+        return f"close slot {slot}"
+
+    def abort(self):
+        slot, victim = self.rng.randrange(2), self.rng.randrange(self.world)
+        comm = self.comm(slot)
+        if self.rank == victim:
+            raised = []
+
+            def waiting_call():
+                try:
+                    comm.all_reduce(torch.ones(64))
+                except RuntimeError as e:
+                    raised.append(str(e))
+
+            call = threading.Thread(target=waiting_call)
+            call.start()
+            time.sleep(0.3)
+            comm.abort()
+            self.joined([call])
+            assert raised and re.search(r"aborted", raised[0]), f"the waiting call ended with {raised}"
+        else:
+            comm.abort()  # without the peers: none of them calls
+        self.slots[slot] = None
+        dist.barrier()  # the gloo world group: every rank has left the aborted communicator
+        return f"abort slot {slot}, rank {victim}'s call waiting"
+
+    def regroup(self):
+        for slot, comm in enumerate(self.slots):
+            if comm is not None and comm.group is self.group:
+                self.close(slot)
+        dist.destroy_process_group(self.group)
+        self.group = dist.new_group(backend="pyallreduce")
+        return "regroup"
+
+    def end(self):
+        for slot in (0, 1):
+            self.close(slot)
+        dist.destroy_process_group(self.group)
+
+
+def explore(rank, world, seed, steps):
+    """Runs `steps` random steps of `seed`; returns the steps taken."""
+    from launch import own_segments_mapped
+
+    explorer, taken = Explorer(rank, world, seed), []
+    try:
+        for _ in range(steps):
+            kind = explorer.rng.choice(STEP_KINDS)
+            taken.append(kind)
+            taken[-1] = getattr(explorer, kind)()
+        explorer.end()
+        taken.append("end")
+        mapped = own_segments_mapped()
+        assert not mapped, f"still mapped after every communicator closed: {mapped}"
+    except BaseException as e:
+        history = "\n".join(f"  {i}: {s}" for i, s in enumerate(taken))
+        raise AssertionError(f"explorer seed {seed} (world {world}) failed at step {len(taken) - 1}: {e!r}\n"
+                             f"steps:\n{history}\nreplay: python tests/explorer.py --seed {seed} "
+                             f"--steps {steps} --world {world}") from e
+    return taken
+
+
+if __name__ == "__main__":
+    from launch import run_ranks
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--world", type=int, default=2)
+    args = p.parse_args()
+    for step in run_ranks(explore, args.world, args.seed, args.steps, timeout=600)[0]:
+        print(step)
