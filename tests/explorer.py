@@ -288,8 +288,8 @@ class CudaExplorer(Explorer):
     """The explorer on CUDA communicators, by hand for now (`--device cuda`,
     on a GPU or on the emulated CUDA runtime, whose two devices let ranks
     pick different GPUs and change them between communicators): not in CI,
-    since on the emulated runtime seed 0 (25 steps) fails at step 13, a
-    capture whose graph comes out empty, undiagnosed (docs/verification.md).
+    since on the emulated runtime seeds 2 and 3 (25 steps) end in a
+    segmentation fault after a replay, undiagnosed (docs/verification.md).
     Without the
     torch.distributed backend's steps (its CUDA inner backend is NCCL, which
     the emulation lacks) and with kernel dtypes only (torch's own CUDA kernels
@@ -347,8 +347,10 @@ class CudaExplorer(Explorer):
         comm.all_reduce(static)  # warm-up outside the capture
         torch.cuda.synchronize(comm.device)
         graph = torch.cuda.CUDAGraph()
+        # A capture stream of the communicator's GPU: torch.cuda.graph's default one is
+        # made once per process, on whichever GPU was current at its first capture.
         with torch.cuda.device(comm.device), comm.capture():
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(comm.device)):
                 out = comm.all_reduce(static, op=op, algo=algo)
         for _ in range(replays):
             x, every = self.inputs(numel, dtype)

@@ -864,6 +864,42 @@ def test_work_contract(tmp_path):
     run_ranks(check_work_contract, 2, str(tmp_path / "store"), timeout=240)
 
 
+def check_two_communicators_on_two_gpus_in_two_threads(rank, world):
+    """Two communicators, on GPU 0 and GPU 1, each driven by a thread of its
+    own on every rank, their calls interleaving differently on each rank: the
+    kernels of one GPU never wait for the other's. (The emulated runtime had
+    one legacy default stream for all devices, not one per device as CUDA has,
+    and this deadlocked there: each rank's first kernel waited for a peer's
+    kernel queued behind that peer's other communicator's.)"""
+    comms = [make_comm(device=torch.device("cuda", d)) for d in (0, 1)]
+    errors = []
+
+    def calls(d):
+        try:
+            for k in range(3):
+                x = exact_input(1000, rank, torch.float32, 30 + k).to(comms[d].device)
+                if (rank + d + k) % 2:
+                    time.sleep(0.05)  # the ranks' orders across the two communicators differ
+                assert torch.equal(comms[d].all_reduce(x).cpu(), exact_sum(1000, world, torch.float32, 30 + k))
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(f"GPU {d}: {e!r}")
+
+    threads = [threading.Thread(target=calls, args=(d,)) for d in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads), errors or "a thread did not end"
+    for comm in comms:
+        comm.close()
+
+
+def test_two_communicators_on_two_gpus_in_two_threads():
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("needs two GPUs with peer access (the emulation has two: tests/emulated/build_emulated.py)")
+    run_ranks(check_two_communicators_on_two_gpus_in_two_threads, 2, timeout=RUN_TIMEOUT)
+
+
 def assert_a_new_gpu_group_sums(rank, world, store_file):
     """After the group ended: a new "pyallreduce" group starts and sums CUDA tensors exactly."""
     import torch.distributed as dist

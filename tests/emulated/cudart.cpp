@@ -14,8 +14,12 @@
 // * Work is asynchronous, as on a GPU: each stream is a worker thread that runs
 //   its copies, memsets and kernels in order, after the call that enqueued
 //   them has returned (where CUDA says the call returns early: a device to
-//   device cudaMemcpy does). Events mark a point in a stream; the legacy
-//   default stream waits for, and is waited for by, the blocking streams.
+//   device cudaMemcpy does). Events mark a point in a stream; each device has
+//   its own legacy default stream, which waits for, and is waited for by, the
+//   blocking streams of that device only (as CUDA's, one per context: one
+//   legacy stream for every device made work on two GPUs wait for each other,
+//   and two communicators on two GPUs, each driven by its own thread,
+//   deadlocked).
 //   PYALLREDUCE_EMULATED_DELAY_US=N makes every device task start up to N us
 //   late, so that host code which forgets to wait shows.
 // * The rules it enforces are those of the CUDA Runtime API reference that a
@@ -206,7 +210,7 @@ struct Stream {
   bool destroyed = false;
   bool blocking = true;   // synchronises with the legacy default stream
   int priority = 0;
-  int device = kAllDevices;  // made on it; the legacy stream: whichever device is current at each enqueue
+  int device = kAllDevices;  // made on it (a legacy stream: its device)
   struct Capture* capture = nullptr;  // under streams_mutex: the capture sequence recording this stream
   // When the last kFinishTimes tasks finished, by ticket: what cudaEventElapsedTime reads.
   static constexpr uint64_t kFinishTimes = 1 << 14;
@@ -268,17 +272,30 @@ Stream* start(Stream* s) {
   return s;
 }
 
-// Made on first use (a function-local static: callers may hold streams_mutex).
-Stream* legacy_stream() {
-  static Stream* const s = start(new Stream);
-  return s;
+// Device d's legacy default stream. Made at first use, all at once (a
+// function-local static: callers may hold streams_mutex).
+const std::vector<Stream*>& legacy_streams() {
+  static const std::vector<Stream*> all = [] {
+    std::vector<Stream*> made;
+    for (int d = 0; d < device_count(); ++d) {
+      auto* s = new Stream;
+      s->device = d;
+      made.push_back(start(s));
+    }
+    return made;
+  }();
+  return all;
 }
 
+Stream* legacy_stream(int device) { return legacy_streams().at(device); }
+
+bool is_legacy(const Stream* s) { return s == legacy_stream(s->device != kAllDevices ? s->device : 0); }
+
 // The stream a handle names: 0, cudaStreamLegacy and cudaStreamPerThread are
-// the legacy default stream here (torch and pyallreduce build without
-// per-thread default streams).
+// the current device's legacy default stream here (torch and pyallreduce build
+// without per-thread default streams).
 Stream* stream_of(cudaStream_t s) {
-  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return legacy_stream();
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return legacy_stream(current_device);
   return reinterpret_cast<Stream*>(s);
 }
 
@@ -353,12 +370,13 @@ int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
       s->capture->nodes.push_back(std::move(work));
       return 0;
     }
-    if (s == legacy_stream()) {
+    if (is_legacy(s)) {
       for (Stream* b : live_streams) {
-        if (b->blocking) before.emplace_back(b, b->ticket());
+        if (b->blocking && b->device == s->device) before.emplace_back(b, b->ticket());
       }
     } else if (s->blocking) {
-      before.emplace_back(legacy_stream(), legacy_stream()->ticket());
+      Stream* legacy = legacy_stream(s->device);
+      before.emplace_back(legacy, legacy->ticket());
     }
   }
   const unsigned delay = delay_us();
@@ -396,7 +414,7 @@ void synchronize_device() {
     all = live_streams;
   }
   for (Stream* s : all) s->wait_for(s->ticket());
-  synchronize(nullptr);
+  for (Stream* s : legacy_streams()) s->wait_for(s->ticket());  // every device's, as before: a stricter wait
 }
 
 // Device memory is mapped so that its last byte is followed by a guard page
@@ -930,7 +948,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithPriority(s, 0, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t handle) {
   Stream* s = stream_of(handle);
-  if (s == legacy_stream()) return fail(cudaErrorInvalidResourceHandle);
+  if (is_legacy(s)) return fail(cudaErrorInvalidResourceHandle);
   {
     std::lock_guard<std::mutex> lock(streams_mutex);
     live_streams.erase(std::remove(live_streams.begin(), live_streams.end(), s), live_streams.end());
@@ -1070,9 +1088,9 @@ cudaStreamCaptureStatus capture_status(Stream* s, uint64_t* id) {
 // call. The blocking stream capture is not invalidated." (cudaStreamIsCapturing;
 // cudaStreamGetCaptureInfo says the same.) Under streams_mutex.
 bool legacy_query_implicit(Stream* s) {
-  if (s != legacy_stream()) return false;
+  if (!is_legacy(s)) return false;
   for (Stream* b : live_streams) {
-    if (b->blocking && b->capture != nullptr && b->device == current_device) return true;
+    if (b->blocking && b->capture != nullptr && b->device == s->device) return true;
   }
   return false;
 }
@@ -1108,7 +1126,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t handle, cudaStreamCaptureMode mo
   std::lock_guard<std::mutex> lock(streams_mutex);
   Stream* s = stream_of(handle);
   // "cudaStreamBeginCapture ... may not be called on the legacy stream".
-  if (s == legacy_stream()) return fail(cudaErrorStreamCaptureUnsupported);
+  if (is_legacy(s)) return fail(cudaErrorStreamCaptureUnsupported);
   if (s->capture != nullptr) return fail(cudaErrorIllegalState);
   s->capture = new Capture{next_capture_id++, mode, std::this_thread::get_id(), s->device};
   captures.push_back(s->capture);
