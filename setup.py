@@ -15,7 +15,13 @@ import shutil
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import setup
+
+# pyproject.toml's license is an SPDX string (PEP 639), which setuptools reads from 77 on.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    sys.exit(f"pyallreduce: building needs setuptools>=77 (found {setuptools.__version__}): "
+             "pip install -U 'setuptools>=77', then build again")
 
 ROOT = Path(__file__).parent.resolve()
 # Hopper (H100/H200) is the target; Ampere runs the same kernels; PTX for the
@@ -54,6 +60,13 @@ def find_cuda_home():
     return None
 
 
+def toolkit_version(home):
+    """(major, minor) of the toolkit at home, from its cuda.h."""
+    found = re.search(r"#define CUDA_VERSION (\d+)", (Path(home) / "include" / "cuda.h").read_text(errors="ignore"))
+    version = int(found.group(1)) if found else 0
+    return version // 1000, version % 1000 // 10
+
+
 def want_cuda():
     if os.environ.get("PYALLREDUCE_SKIP_CUDA", "0") == "1":
         return False, "PYALLREDUCE_SKIP_CUDA=1"
@@ -64,6 +77,17 @@ def want_cuda():
     home = find_cuda_home()
     if home is None:
         return False, "no CUDA toolkit found (set CUDA_HOME to the folder holding bin/nvcc)"
+    # torch refuses to build with a toolkit of another major version, with a
+    # traceback that pip then buries: say it here, with the ways out.
+    major, minor = toolkit_version(home)
+    torch_major = torch.version.cuda.split(".")[0]
+    if str(major) != torch_major:
+        sys.exit(f"pyallreduce: the CUDA toolkit at {home} is CUDA {major}.{minor}, but torch {torch.__version__} "
+                 f"was built with CUDA {torch.version.cuda}, and CUDA kernels must be built with the major "
+                 f"version torch uses. Either set CUDA_HOME to a CUDA {torch_major}.x toolkit (the folder with "
+                 f"bin/nvcc, include/ and lib64/: NVIDIA's installer, conda's cuda-toolkit={torch_major}, or "
+                 f"NVIDIA's PyPI wheels assembled as scripts/check_old_cuda.sh does), or build the CPU backend "
+                 f"only: PYALLREDUCE_SKIP_CUDA=1 pip install --no-build-isolation ...")
     # torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
     os.environ["CUDA_HOME"] = home
     return True, f"CUDA toolkit {home}, torch CUDA {torch.version.cuda}"
@@ -79,8 +103,10 @@ def extensions():
     cxx = ["-O3", "-g1", "-std=c++20", "-ffp-contract=off", "-fvisibility=hidden"]
     sources = ["csrc/module.cpp", "csrc/backend.cpp", "csrc/cpu/shm.cpp", "csrc/cpu/all_reduce.cpp"]
     if not with_cuda:
-        return [CppExtension("pyallreduce._C", sources, extra_compile_args={"cxx": cxx}, libraries=["rt"],
-                             extra_link_args=SHARED_LIBSTDCXX)]
+        # _C.CUDA_SKIPPED_ON_REQUEST: the CPU-only flavour was asked for (tests say so when they skip).
+        macros = [("PYALLREDUCE_CUDA_SKIPPED_ON_REQUEST", None)] if why == "PYALLREDUCE_SKIP_CUDA=1" else []
+        return [CppExtension("pyallreduce._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx},
+                             libraries=["rt"], extra_link_args=SHARED_LIBSTDCXX)]
     os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("PYALLREDUCE_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     nvcc = [
         "-O3",

@@ -301,8 +301,18 @@ class ServingBackend : public c10d::Backend {
     Scope(ServingBackend& backend, bool turn, bool serve) : backend_(backend), turn_(turn), serve_(serve) {}
     void enter() {
       if (turn_) {
+        // The turn is not recursive: a signal handler or a finalizer that runs
+        // abort(), destroy_process_group() or a collective while this thread is
+        // inside a served call would wait for itself for good.
+        if (backend_.turn_holder_.load() == std::this_thread::get_id()) {
+          throw std::runtime_error(
+              "pyallreduce: this thread is inside a call of this process group (a signal handler or a finalizer "
+              "interrupted it?), so it would wait for itself: call abort(), destroy_process_group() or the "
+              "collective from another thread, or after the call returns");
+        }
         py::gil_scoped_release nogil;
         backend_.turn_.lock();
+        backend_.turn_holder_ = std::this_thread::get_id();
       }
       if (serve_) serving_here.push_back(&backend_);
     }
@@ -315,7 +325,10 @@ class ServingBackend : public c10d::Backend {
           }
         }
       }
-      if (turn_) backend_.turn_.unlock();
+      if (turn_) {
+        backend_.turn_holder_ = std::thread::id();
+        backend_.turn_.unlock();
+      }
     }
 
    private:
@@ -374,6 +387,7 @@ class ServingBackend : public c10d::Backend {
 
   const std::string name_;
   std::mutex turn_;
+  std::atomic<std::thread::id> turn_holder_{};  // the thread in a Scope holding turn_ (none: the fast path's)
   std::vector<Fast> fast_;  // under turn_
   std::atomic<int64_t> fast_calls_{0};  // read without the turn
 };

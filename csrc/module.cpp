@@ -434,6 +434,11 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+#ifdef PYALLREDUCE_CUDA_SKIPPED_ON_REQUEST
+  m.attr("CUDA_SKIPPED_ON_REQUEST") = true;  // PYALLREDUCE_SKIP_CUDA=1 (setup.py)
+#else
+  m.attr("CUDA_SKIPPED_ON_REQUEST") = false;
+#endif
   m.def("region_bytes", &region_bytes, "bytes of one rank's region for a given max_bytes");
   m.def("segment_stride", &segment_stride, py::arg("segment_bytes"),
         "reduce-scatter's distance between segments in staging (protocol.h)");

@@ -258,7 +258,10 @@ class PyallreduceBackend(_C.ServingBackend):
         or kernel waiting for a peer, which holds the turn (Communicator.abort). Then,
         under the turn, every communicator closes as after an error. (A call
         inside a gloo collective, such as a communicator's construction, holds
-        the turn until that ends: gloo cannot be aborted.)"""
+        the turn until that ends: gloo cannot be aborted.) On the thread that
+        holds the turn (a signal handler inside a served call), the closes
+        would wait for that thread itself: the interrupts are done, and taking
+        the turn raises, saying so."""
         for inner in list(self._inner.values()):
             _logged(inner.abort, "aborting its inner backend")
         for comm in list(self._comms.values()):
@@ -270,7 +273,9 @@ class PyallreduceBackend(_C.ServingBackend):
     def _release(self):
         """Ends every part, each error logged, never raised: torch calls this
         inside destroy_process_group, which an exception would leave with its
-        tables half cleared (as NCCL's shutdown, it reports and goes on)."""
+        tables half cleared (as NCCL's shutdown, it reports and goes on). Only
+        on the thread inside a served call (a signal handler, a finalizer) does
+        it raise: it would wait for that call, so for itself."""
         # Under the turn: a call still running on another thread (at worst until its
         # deadline) finishes before its memory is unmapped under it.
         with self._scope(turn=True, serve=False):

@@ -11,9 +11,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch, pybind11, ninja, numpy, pytest, setuptools, wheel
-assert torch.__version__.split('+')[0] == '2.14.1'" 2>/dev/null; then
+assert torch.__version__.split('+')[0] == '2.14.1' and int(setuptools.__version__.split('.')[0]) >= 77" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.14.1" pybind11 ninja numpy pytest setuptools wheel
+  .venv/bin/python -m pip install -q "torch==2.14.1" pybind11 ninja numpy pytest "setuptools>=77" wheel
 fi
 # The build's inputs: a change to any of them (sources, build switches, torch)
 # rebuilds; nothing changed and the extension imports: nothing to do.

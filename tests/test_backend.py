@@ -618,6 +618,36 @@ def test_an_interrupted_call_releases_the_turn(tmp_path):
     run_ranks(_interrupted, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 
 
+def _reentered(rank, world_size, store_file):
+    """abort() and shutdown() on the thread that is inside a served call (a
+    signal handler or a finalizer that runs there) would wait for the turn that
+    thread holds, forever: each raises at once, saying to call it from another
+    thread or after the call returns; the call fails with that error. The group
+    is destroyed after, from outside the call, with nothing left mapped."""
+    backend = reinit("pyallreduce", store_file)
+    dist.all_reduce(torch.ones(4))
+    comm = backend._comms[CPU]
+    real = comm.all_reduce_
+    for end in (backend.shutdown, backend.abort):
+        def handler_runs_inside(*args, **kwargs):
+            comm.all_reduce_ = real
+            end()
+
+        comm.all_reduce_ = handler_runs_inside
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="inside a call of this process group .* would wait for itself: "
+                                               "call abort.* from another thread, or after the call returns"):
+            dist.all_reduce(torch.ones(3, 2).t())  # not contiguous: the Python path
+        assert time.monotonic() - start < 30
+    dist.destroy_process_group()
+    assert not own_segments_mapped(), "a segment stays mapped after destroy_process_group"
+    assert_a_new_group_sums(rank, world_size, store_file)
+
+
+def test_abort_or_shutdown_inside_a_served_call_raises_instead_of_waiting_for_itself(tmp_path):
+    run_ranks(_reentered, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
 def test_a_second_thread_waits_its_turn_in_the_fast_path(tmp_path):
     run_ranks(_second_thread_fast, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
 

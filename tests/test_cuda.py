@@ -1061,6 +1061,30 @@ def check_a_device_other_than_the_current_one(rank, world):
     assert not wrong, f"rank {rank}: {wrong}"
 
 
+def check_only_the_communicators_gpu_gets_a_context(rank, world):
+    """Each rank works on its own GPU (cuda:rank) from a thread that never
+    chose a device (torch's current device is 0, with no CUDA context), as code
+    that moves its model to f"cuda:{rank}" without torch.cuda.set_device does.
+    A context takes hundreds of MiB of its GPU's memory (since CUDA 12,
+    cudaSetDevice creates one): the communicator must create none on a GPU it
+    does not use, and leave torch's current device as it was."""
+    device = torch.device("cuda", rank)
+    other = (rank + 1) % world
+    with make_comm(device=device) as comm:
+        for it, algo in enumerate(ALGOS):
+            x = exact_input(5000, rank, torch.float32, it).to(device)
+            assert torch.equal(comm.all_reduce(x, algo=algo).cpu(), exact_sum(5000, world, torch.float32, it))
+        buf = exact_input(3000, rank, torch.float32, 7).to(device)
+        assert comm.register(buf)
+        comm.all_reduce_(buf)
+        assert comm.unregister(buf)
+        assert torch.equal(buf.cpu(), exact_sum(3000, world, torch.float32, 7))
+        comm.check()
+    assert torch.cuda.current_device() == 0, "the communicator changed torch's current device"
+    assert not torch._C._cuda_hasPrimaryContext(other), \
+        f"rank {rank} created a CUDA context on GPU {other}, which it never used"
+
+
 def inject_failure(function=None, nth=1):
     """Under the emulation, makes the nth next call of a CUDA runtime function in
     this process fail as a real failure does (tests/emulated/cudart.cpp); no
@@ -1343,6 +1367,12 @@ def test_a_device_other_than_the_current_one():
     if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("needs two GPUs with peer access (the emulation has two: tests/emulated/build_emulated.py)")
     run_ranks(check_a_device_other_than_the_current_one, 2, timeout=RUN_TIMEOUT)
+
+
+def test_only_the_communicators_gpu_gets_a_context():
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("needs two GPUs with peer access (the emulation has two: tests/emulated/build_emulated.py)")
+    run_ranks(check_only_the_communicators_gpu_gets_a_context, 2, timeout=RUN_TIMEOUT)
 
 
 def test_runtime_failures_on_one_rank():

@@ -91,7 +91,9 @@ def build():
     from pyallreduce import _C
 
     if not _C.WITH_CUDA:
-        pytest.skip("pyallreduce._C was built without CUDA kernels (no toolkit at build time)")
+        pytest.skip("pyallreduce._C was built without CUDA kernels: " +
+                    ("the CPU-only flavour was asked for (PYALLREDUCE_SKIP_CUDA=1)" if _C.CUDA_SKIPPED_ON_REQUEST
+                     else "no CUDA toolkit or a CPU-only torch at build time"))
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("no cuobjdump (neither beside nvcc nor in Triton's bundle)")

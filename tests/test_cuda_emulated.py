@@ -106,7 +106,8 @@ def test_the_emulation_faults_on_host_access_to_device_memory_and_runs_no_torch_
 
 
 def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
-    """tests/emulated/rules.cpp: each rule of the emulation (capture modes and
+    """tests/emulated/rules.cpp: each rule of the emulation (which devices get a
+    context, capture modes and
     what they prohibit, the legacy stream, the ending thread, isolation,
     replays, unrecorded events, event times, frees, IPC and its reference
     counts, the legacy stream's capture query, no device sync beside a
@@ -120,7 +121,7 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
         proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYALLREDUCE_EMULATED_DELAY_US": delay})
         lines = proc.stdout.splitlines()
-        assert proc.returncode == 0 and len(lines) == 19 and all(line.startswith("ok ") for line in lines), \
+        assert proc.returncode == 0 and len(lines) == 20 and all(line.startswith("ok ") for line in lines), \
             f"delay {delay} us:\n{proc.stdout}{proc.stderr}"
 
 

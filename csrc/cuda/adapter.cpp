@@ -7,6 +7,7 @@
 // (run_collective in csrc/module.cpp).
 #include "adapter.h"
 
+#include <c10/cuda/CUDAFunctions.h>  // ExchangeDevice, MaybeSetDevice
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one needs cuBLAS/cuSPARSE headers
 #include <torch/extension.h>
@@ -104,8 +105,16 @@ void cuda_interrupt(const Context& ctx) { cuda::interrupt(ctx); }
 
 bool cuda_current_stream_capturing(int device) { return cuda::is_capturing(current_stream(device)); }
 
+// torch's own switch (see DeviceSwitch): the thread's device as torch keeps it,
+// and put back only where it has a context.
+int torch_exchange_device(int device) { return c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(device)); }
+void torch_put_back_device(int device) {
+  if (c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device)) != cudaSuccess) cudaGetLastError();
+}
+
 void bind_cuda(py::module_& m) {
   using namespace cuda;
+  set_device_switch({&torch_exchange_device, &torch_put_back_device});
   // Regions, IPC and topology (pyallreduce/transport/): device indices and addresses.
   m.def("cuda_alloc_region", [](int device, int64_t nbytes) {
           return alloc_region(device, nbytes, current_stream(device));

@@ -20,18 +20,24 @@ void raise_cuda(cudaError_t err, const char* what) {
                            cudaGetErrorString(err) + ")");
 }
 
+namespace {
+DeviceSwitch device_switch{};
+}  // namespace
+
+void set_device_switch(DeviceSwitch s) { device_switch = s; }
+
 DeviceScope::DeviceScope(int device) {
+  require(device_switch.exchange != nullptr, "the CUDA device switch was not set (the adapter sets it at import)");
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   require(device >= 0 && device < count,
           "CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(count) + " visible)");
-  check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  previous_ = device_switch.exchange(device);
   check_cuda(cudaFree(nullptr), "initialising CUDA on the device");
 }
 
 DeviceScope::~DeviceScope() {
-  if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+  if (previous_ >= 0) device_switch.put_back(previous_);
 }
 
 cudaError_t wait_relaxed(cudaEvent_t event, cudaStream_t stream) {

@@ -46,9 +46,24 @@ class RelaxedCaptureScope {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-// `device` current for the scope (the previous one restored after), with its
-// primary context created (driver calls need a current context), in a
-// RelaxedCaptureScope.
+// How a thread's current device is switched and put back: torch's way. Since
+// CUDA 12.0 cudaSetDevice creates the device's primary context (hundreds of MiB
+// of its memory; refused in EXCLUSIVE_PROCESS mode when another process holds
+// it), so torch puts back a device that has no context yet without setting it:
+// it remembers it as the thread's device instead (c10::cuda::MaybeSetDevice),
+// and torch.cuda.current_device() still names it. A plain cudaSetDevice back
+// would create a context on GPU 0 in every rank whose thread never used GPU 0.
+// The adapter sets these to torch's functions at import (set_device_switch);
+// DeviceScope uses nothing else.
+struct DeviceSwitch {
+  int (*exchange)(int device);  // makes `device` current; returns the thread's device before
+  void (*put_back)(int device);  // the thread's device again, creating no context
+};
+void set_device_switch(DeviceSwitch device_switch);
+
+// `device` current for the scope (the thread's device put back after, by
+// DeviceSwitch), with its primary context created (driver calls need a current
+// context), in a RelaxedCaptureScope.
 class DeviceScope {
  public:
   explicit DeviceScope(int device);

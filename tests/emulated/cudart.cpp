@@ -56,12 +56,27 @@
 
 namespace {
 
+constexpr int kMaxDevices = 16;
+
 int device_count() {
   const char* n = std::getenv("PYALLREDUCE_EMULATED_DEVICES");
-  return n != nullptr ? std::atoi(n) : 1;
+  return n != nullptr ? std::min(std::atoi(n), kMaxDevices) : 1;
 }
 
 thread_local int current_device = 0;
+
+// The devices this process has created a primary context on (what
+// cuDevicePrimaryCtxGetState reports; torch's hasPrimaryContext asks it). A
+// context costs device memory, so which devices get one is part of what a
+// process does: CUDA creates it at the first runtime call that works on the
+// current device (cudaFree(nullptr) is the usual way), and since CUDA 12.0 at
+// cudaSetDevice ("this function will now explicitly initialize the runtime").
+std::atomic<bool> primary_contexts[kMaxDevices];
+// The current device, for a call that works on it: it has a context after.
+int context_device() {
+  primary_contexts[current_device] = true;
+  return current_device;
+}
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeGlobal;
 
@@ -295,7 +310,7 @@ bool is_legacy(const Stream* s) { return s == legacy_stream(s->device != kAllDev
 // the current device's legacy default stream here (torch and pyallreduce build
 // without per-thread default streams).
 Stream* stream_of(cudaStream_t s) {
-  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return legacy_stream(current_device);
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return legacy_stream(context_device());
   return reinterpret_cast<Stream*>(s);
 }
 
@@ -355,7 +370,7 @@ bool unsafe_call_prohibited() {
 // when that capture was invalidated (returns -1).
 int64_t enqueue(cudaStream_t handle, std::function<void()> work) {
   Stream* s = stream_of(handle);
-  const int device = s->device != kAllDevices ? s->device : current_device;
+  const int device = s->device != kAllDevices ? s->device : context_device();
   work = [device, work = std::move(work)] {
     if (sticky_error() != cudaSuccess) return;  // after a fault, queued work does not run
     worker_device = device;
@@ -566,6 +581,7 @@ cudaError_t cudaGetDevice(int* d) {
 cudaError_t cudaSetDevice(int d) {
   if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
   current_device = d;
+  context_device();
   return cudaSuccess;
 }
 
@@ -675,7 +691,7 @@ bool device_capture_conflicts(int device) {
 cudaError_t cudaDeviceSynchronize() {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
-  if (device_capture_conflicts(current_device)) return fail(cudaErrorStreamCaptureUnsupported);
+  if (device_capture_conflicts(context_device())) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize_device();
   return after_wait();
 }
@@ -699,14 +715,15 @@ cudaError_t cudaMalloc(void** p, size_t n) {
     if (fd >= 0) close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
+  const int device = context_device();
   std::lock_guard<std::mutex> lock(memory_mutex);
-  const Mapping m = map_device_memory(fd, usable, new_mapping_prot(current_device));
+  const Mapping m = map_device_memory(fd, usable, new_mapping_prot(device));
   if (m.base == nullptr) {
     close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
   allocations[reinterpret_cast<uintptr_t>(m.base)] =
-      Allocation{usable, Kind::kDevice, current_device, fd, m.start, m.bytes, ++allocations_made};
+      Allocation{usable, Kind::kDevice, device, fd, m.start, m.bytes, ++allocations_made};
   *p = m.base;
   note("cudaMalloc(%zu) -> %p", n, m.base);
   return cudaSuccess;
@@ -714,6 +731,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 
 cudaError_t cudaFree(void* p) {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
+  context_device();
   if (p == nullptr) return cudaSuccess;
   if (unsafe_call_prohibited()) return fail(cudaErrorStreamCaptureUnsupported);
   synchronize_device();  // cudaFree waits for the device's work first
@@ -738,7 +756,7 @@ cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   if (base == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lock(memory_mutex);
   allocations[reinterpret_cast<uintptr_t>(base)] =
-      Allocation{size, Kind::kHost, current_device, -1, static_cast<char*>(base), size};
+      Allocation{size, Kind::kHost, context_device(), -1, static_cast<char*>(base), size};
   *p = base;
   return cudaSuccess;
 }
@@ -891,12 +909,13 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
                 static_cast<long long>(h.fd));
   const int fd = open(path, O_RDWR | O_CLOEXEC);
   if (fd < 0) return fail(cudaErrorMapBufferObjectFailed);
+  const int device = context_device();
   std::lock_guard<std::mutex> lock(memory_mutex);
-  const Mapping m = map_device_memory(fd, h.size, new_mapping_prot(current_device));
+  const Mapping m = map_device_memory(fd, h.size, new_mapping_prot(device));
   close(fd);
   if (m.base == nullptr) return fail(cudaErrorMapBufferObjectFailed);
   allocations[reinterpret_cast<uintptr_t>(m.base)] =
-      Allocation{h.size, Kind::kPeerMapping, current_device, -1, m.start, m.bytes, h.serial, 1};
+      Allocation{h.size, Kind::kPeerMapping, device, -1, m.start, m.bytes, h.serial, 1};
   opened_handles[{h.pid, h.serial}] = reinterpret_cast<uintptr_t>(m.base);
   *p = m.base;
   note("cudaIpcOpenMemHandle(pid %lld) -> %p", static_cast<long long>(h.pid), m.base);
@@ -934,7 +953,7 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* handle, unsigned int flag
   auto* s = new Stream;
   s->blocking = (flags & cudaStreamNonBlocking) == 0;
   s->priority = priority;
-  s->device = current_device;
+  s->device = context_device();
   {
     std::lock_guard<std::mutex> lock(streams_mutex);
     live_streams.push_back(s);
@@ -988,6 +1007,7 @@ struct EmulatedEvent {
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
   if (const cudaError_t sticky = sticky_error()) return fail(sticky);
+  context_device();
   *e = reinterpret_cast<cudaEvent_t>(new EmulatedEvent{});
   return cudaSuccess;
 }
@@ -1321,9 +1341,10 @@ CUresult cuDeviceGet(CUdevice* d, int ordinal) {
   return CUDA_SUCCESS;
 }
 // torch asks whether a primary context exists before it touches a device.
-CUresult cuDevicePrimaryCtxGetState(CUdevice, unsigned int* flags, int* active) {
+CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int* flags, int* active) {
+  if (d < 0 || d >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
   *flags = 0;
-  *active = 1;
+  *active = primary_contexts[d] ? 1 : 0;
   return CUDA_SUCCESS;
 }
 CUresult cuGetErrorString(CUresult e, const char** s) { return emulated_cuGetErrorString(e, s); }

@@ -4,6 +4,7 @@
 // tests/test_cuda_emulated.py compiles this with g++ against the CUDA headers
 // alone, links it to build/emulated/lib/libcudart_emulated.so and runs it.
 // Prints "ok <rule>" or "FAIL <rule>: <why>" per rule; exits 1 on any failure.
+#include <cuda.h>  // cuDevicePrimaryCtxGetState: the emulated library has it too
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -288,6 +289,21 @@ std::string an_unrecorded_event_is_complete() {
   return why;
 }
 
+// cudaSetDevice, since CUDA 12.0: "this function will now explicitly initialize
+// the runtime", i.e. create the device's primary context (device memory); a
+// device no call has used has none (cuDevicePrimaryCtxGetState). Runs first:
+// no rule before it has used device 1.
+std::string set_device_creates_a_context_and_only_it() {
+  unsigned int flags = 0;
+  int active = -1;
+  cuDevicePrimaryCtxGetState(1, &flags, &active);
+  if (active != 0) return "device 1 has a primary context before any call used it";
+  std::thread([] { cudaSetDevice(1); }).join();
+  cuDevicePrimaryCtxGetState(1, &flags, &active);
+  if (active != 1) return "cudaSetDevice(1) created no primary context";
+  return "";
+}
+
 // cudaFree: "cudaErrorInvalidValue ... if devPtr was not returned by an earlier
 // cudaMalloc"; cudaGetLastError: "Returns the last error ... and resets it to
 // cudaSuccess" (a non-sticky error).
@@ -475,6 +491,7 @@ std::string host_reads_of_device_memory_fault() {
 int main() {
   setenv("PYALLREDUCE_EMULATED_DEVICES", "2", 1);  // two devices for the peer-access rule
   const std::vector<std::pair<const char*, std::function<std::string()>>> rules = {
+      {"set_device_creates_a_context_and_only_it", set_device_creates_a_context_and_only_it},  // first
       {"unsafe_call_in_own_global_capture", unsafe_call_in_own_global_capture},
       {"unsafe_call_beside_another_threads_global_capture", unsafe_call_beside_another_threads_global_capture},
       {"thread_local_capture_leaves_other_threads_free", thread_local_capture_leaves_other_threads_free},
