@@ -33,7 +33,10 @@ from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_tor
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 # dist.* on gloo, dist.* on pyallreduce, Communicator methods, dist.* on the do-nothing
 # Python backend, dist.* on torch's C++ fake backend
-PATHS = ("gloo", "backend", "direct", "floor", "cpp_floor")
+# torch 2.14 made c10d's Backend a class Python can subclass; before, the Python
+# floor cannot be built ("No constructor defined") and its columns stay empty.
+PYTHON_FLOOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+PATHS = tuple(p for p in ("gloo", "backend", "direct", "floor", "cpp_floor") if PYTHON_FLOOR or p != "floor")
 FLOOR = "pyallreduce_floor"
 
 
@@ -106,12 +109,14 @@ def calls(collective, nbytes, rank, world, group, comm):
 def run(args):
     init_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if FLOOR.upper() not in dist.Backend._plugins:
+    if PYTHON_FLOOR and FLOOR.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(FLOOR, FloorBackend, devices=["cpu"])
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
     groups = {"gloo": dist.new_group(backend="gloo"), "backend": dist.new_group(backend="pyallreduce"),
-              "floor": dist.new_group(backend=FLOOR), "cpp_floor": dist.new_group(backend="fake")}
+              "cpp_floor": dist.new_group(backend="fake")}
+    if PYTHON_FLOOR:
+        groups["floor"] = dist.new_group(backend=FLOOR)
     comm = pyallreduce.Communicator(groups["gloo"], device="cpu")
     rows, wrong_total = [], 0
     if rank == 0:
@@ -133,6 +138,7 @@ def run(args):
                     before_timing()
                 row[f"{path}_us"] = slowest_rank_stats(time_cpu(run_call, args.iters, args.warmup),
                                                        torch.device("cpu"))["time_us"]
+            row.setdefault("floor_us", None)
             t = torch.tensor([wrong])
             dist.all_reduce(t)
             row["wrong"] = int(t)
@@ -140,13 +146,13 @@ def run(args):
             row["speedup_vs_gloo"] = row["gloo_us"] / row["backend_us"]
             row["overhead_us"] = row["backend_us"] - row["direct_us"]
             # The target (issue: backend <= direct + floor + 3 us): what is ours beyond torch's floor.
-            row["over_floor_us"] = row["overhead_us"] - row["floor_us"]
+            row["over_floor_us"] = None if row["floor_us"] is None else row["overhead_us"] - row["floor_us"]
             row["over_cpp_floor_us"] = row["overhead_us"] - row["cpp_floor_us"]
             rows.append(row)
             if rank == 0:
                 print(f"  {collective:>14} {nbytes:>10} {row['gloo_us']:>11.1f} {row['backend_us']:>10.1f} "
-                      f"{row['direct_us']:>10.1f} {row['floor_us']:>8.1f} {row['cpp_floor_us']:>9.1f} "
-                      f"{row['speedup_vs_gloo']:>7.1f}x {row['overhead_us']:>9.1f} {row['over_floor_us']:>10.1f} "
+                      f"{row['direct_us']:>10.1f} {_us(row['floor_us']):>8} {row['cpp_floor_us']:>9.1f} "
+                      f"{row['speedup_vs_gloo']:>7.1f}x {row['overhead_us']:>9.1f} {_us(row['over_floor_us']):>10} "
                       f"{row['over_cpp_floor_us']:>9.1f} {row['wrong']:>7}", flush=True)
     comm.close()
     if rank == 0 and args.json:
@@ -155,6 +161,10 @@ def run(args):
                        "rows": rows}, f, indent=1)
     dist.destroy_process_group()
     return 1 if wrong_total else 0
+
+
+def _us(value):
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main():

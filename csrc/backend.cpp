@@ -14,22 +14,42 @@
 // its context with its crossover row (set_fast) only when its eager calls go
 // direct.
 //
-// It needs torch 2.14's c10d::Backend (the *_single method names, torch's
-// PyObject slot on a Backend); with an older torch the module has no
-// ServingBackend and pyallreduce's import logs that the backend is missing
-// (the Communicator, the op and the DDP hook do not need it).
+// Built for torch 2.13 and later (the versions it was tested with; with an
+// older torch the module has no ServingBackend and pyallreduce's import logs
+// that the backend is missing: the Communicator, the op and the DDP hook do not
+// need it). Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
+// the tensor collectives (all_gather_single for _allgather_base, ...; the old
+// names stay as aliases that forward to the new ones) and gave a Backend a
+// PyObject slot.
 #include <torch/version.h>
 
 #include "backend.h"
 
-#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14))
+#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
 #if !PYALLREDUCE_SERVING_BACKEND
 void pyallreduce::bind_backend(pybind11::module_&) {}
 #else
+#define TORCH_2_14 (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14)
+#include <pybind11/chrono.h>  // BarrierOptions::timeout as a datetime.timedelta
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/Exceptions.h>
+#if TORCH_2_14
 #include <torch/csrc/utils/pyobject_preservation.h>
+// The canonical names: overriding 2.14's deprecated aliases instead would trip
+// its re-entry guard when a served call's own exchanges come back here.
+#define ALL_GATHER_SINGLE all_gather_single
+#define ALL_GATHER_SINGLE_COALESCED all_gather_single_coalesced
+#define REDUCE_SCATTER_SINGLE reduce_scatter_single
+#define REDUCE_SCATTER_SINGLE_COALESCED reduce_scatter_single_coalesced
+#define ALL_TO_ALL_SINGLE all_to_all_single
+#else
+#define ALL_GATHER_SINGLE _allgather_base
+#define ALL_GATHER_SINGLE_COALESCED allgather_into_tensor_coalesced
+#define REDUCE_SCATTER_SINGLE _reduce_scatter_base
+#define REDUCE_SCATTER_SINGLE_COALESCED reduce_scatter_tensor_coalesced
+#define ALL_TO_ALL_SINGLE alltoall_base
+#endif
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -165,6 +185,7 @@ bool is_serving(const void* backend) {
 // Python-Work trampoline forwards nothing else), so backend.py makes none.
 #define PYTHON_WORK(name, pyname, ...)                                                              \
   do {                                                                                             \
+    sequence_.fetch_add(1, std::memory_order_relaxed);                                             \
     py::gil_scoped_acquire gil;                                                                    \
     py::function method = py::get_override(static_cast<const ServingBackend*>(this), pyname);      \
     if (!method) return Backend::name(__VA_ARGS__);                                                \
@@ -186,15 +207,15 @@ class ServingBackend : public c10d::Backend {
     }
     PYTHON_WORK(allreduce, "allreduce", tensors, opts);
   }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+  c10::intrusive_ptr<c10d::Work> REDUCE_SCATTER_SINGLE(at::Tensor& output, at::Tensor& input,
                                                        const c10d::ReduceScatterOptions& opts) override {
     if (auto work = fast(input, output, opts.reduceOp, kReduceScatter)) return work;
-    PYTHON_WORK(reduce_scatter_single, "reduce_scatter_single", output, input, opts);
+    PYTHON_WORK(REDUCE_SCATTER_SINGLE, "reduce_scatter_single", output, input, opts);
   }
-  c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input,
+  c10::intrusive_ptr<c10d::Work> ALL_GATHER_SINGLE(at::Tensor& output, at::Tensor& input,
                                                    const c10d::AllgatherOptions& opts) override {
     if (auto work = fast(input, output, c10d::ReduceOp(c10d::ReduceOp::SUM), kAllGather)) return work;
-    PYTHON_WORK(all_gather_single, "all_gather_single", output, input, opts);
+    PYTHON_WORK(ALL_GATHER_SINGLE, "all_gather_single", output, input, opts);
   }
 
   // ---- by the Python subclass --------------------------------------------------
@@ -207,20 +228,20 @@ class ServingBackend : public c10d::Backend {
                                                   const c10d::AllreduceOptions& opts) override {
     PYTHON_WORK(allreduce_sparse, "allreduce_sparse", tensors, opts);
   }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
+  c10::intrusive_ptr<c10d::Work> REDUCE_SCATTER_SINGLE_COALESCED(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override {
-    PYTHON_WORK(reduce_scatter_single_coalesced, "reduce_scatter_single_coalesced", outputs, inputs, opts);
+    PYTHON_WORK(REDUCE_SCATTER_SINGLE_COALESCED, "reduce_scatter_single_coalesced", outputs, inputs, opts);
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override {
     PYTHON_WORK(reduce_scatter, "reduce_scatter", outputs, inputs, opts);
   }
-  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
+  c10::intrusive_ptr<c10d::Work> ALL_GATHER_SINGLE_COALESCED(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) override {
-    PYTHON_WORK(all_gather_single_coalesced, "all_gather_single_coalesced", outputs, inputs, opts);
+    PYTHON_WORK(ALL_GATHER_SINGLE_COALESCED, "all_gather_single_coalesced", outputs, inputs, opts);
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
@@ -248,11 +269,11 @@ class ServingBackend : public c10d::Backend {
                                          const c10d::ScatterOptions& opts) override {
     PYTHON_WORK(scatter, "scatter", outputs, inputs, opts);
   }
-  c10::intrusive_ptr<c10d::Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
+  c10::intrusive_ptr<c10d::Work> ALL_TO_ALL_SINGLE(at::Tensor& output, at::Tensor& input,
                                                    std::vector<int64_t>& output_splits,
                                                    std::vector<int64_t>& input_splits,
                                                    const c10d::AllToAllOptions& opts) override {
-    PYTHON_WORK(all_to_all_single, "all_to_all_single", output, input, output_splits, input_splits, opts);
+    PYTHON_WORK(ALL_TO_ALL_SINGLE, "all_to_all_single", output, input, output_splits, input_splits, opts);
   }
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override {
@@ -270,6 +291,18 @@ class ServingBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     PYTHON_WORK(barrier, "barrier", opts);
   }
+  // The inner gloo backend's (gloo alone has one): it names the ranks that did not arrive.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    py::gil_scoped_acquire gil;
+    py::function method = py::get_override(static_cast<const ServingBackend*>(this), "monitored_barrier");
+    if (!method) return Backend::monitoredBarrier(opts, wait_all_ranks);
+    method(opts.timeout, wait_all_ranks);
+  }
+  // Sequence numbers, as gloo's: every collective issued here counts one, from 0
+  // on every rank. torch's collective checker (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+  // compares them across ranks before each collective.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(std::memory_order_relaxed); }
   void shutdown() override { call_python("shutdown"); }
   void abort() override { call_python("abort"); }
   const std::string getBackendName() const override { return name_; }
@@ -338,6 +371,9 @@ class ServingBackend : public c10d::Backend {
 
   bool serving() const { return is_serving(this); }
   int64_t fast_calls() const { return fast_calls_.load(std::memory_order_relaxed); }
+#if !TORCH_2_14
+  py::object python_object_;  // its Python subclass's object (_keep_python_object)
+#endif
 
  private:
   struct Fast {
@@ -377,6 +413,7 @@ class ServingBackend : public c10d::Backend {
       error = std::current_exception();  // raised by the Work's wait(), as torch's backends do
     }
     fast_calls_.fetch_add(1, std::memory_order_relaxed);
+    sequence_.fetch_add(1, std::memory_order_relaxed);
     return issued(out, error);
   }
 
@@ -390,6 +427,7 @@ class ServingBackend : public c10d::Backend {
   std::atomic<std::thread::id> turn_holder_{};  // the thread in a Scope holding turn_ (none: the fast path's)
   std::vector<Fast> fast_;  // under turn_
   std::atomic<int64_t> fast_calls_{0};  // read without the turn
+  std::atomic<uint64_t> sequence_{0};  // collectives issued (getSequenceNumberForGroup)
 };
 
 }  // namespace
@@ -420,11 +458,23 @@ void bind_backend(pybind11::module_& m) {
       // torch keeps only the C++ object (intrusive_ptr); the Python subclass's methods
       // live on while torch holds it once the object's PyObject slot names its Python
       // object (as torch's trampoline does for the backends that split() returns).
+      // Before 2.14 a Backend has no such slot: the C++ object holds its Python
+      // object itself, a cycle that _drop_python_object breaks once the group ended.
       .def("_keep_python_object",
            [](py::object self) {
+#if TORCH_2_14
              auto backend = self.cast<c10::intrusive_ptr<c10d::Backend>>();
              Py_DECREF(torch::utils::PyObjectPreservation::get_or_init(
                  *backend, [&] { return Py_NewRef(self.ptr()); }));
+#else
+             self.cast<ServingBackend&>().python_object_ = self;
+#endif
+           })
+      .def("_drop_python_object",
+           [](ServingBackend& backend) {
+#if !TORCH_2_14
+             backend.python_object_ = py::object();
+#endif
            })
       .def("_set_fast", &ServingBackend::set_fast, py::arg("device"), py::arg("handle"),
            py::arg("two_shot_min_bytes"), py::arg("reference_min_bytes"))

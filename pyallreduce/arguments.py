@@ -13,16 +13,23 @@ from . import _C
 
 ALGOS = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
 # op -> average? (the kernels sum, and divide in fp32 when averaging)
-AVERAGE = {"sum": False, "avg": True, dist.ReduceOp.SUM: False, dist.ReduceOp.AVG: True}
+AVERAGE = {"sum": False, "avg": True}
+REDUCE_OPS = ((dist.ReduceOp.SUM, False), (dist.ReduceOp.AVG, True))
+_REDUCE_OP_TYPES = (dist.ReduceOp, type(dist.ReduceOp.SUM))
 
 
 def average_or_none(op):
     """'sum' | 'avg' | dist.ReduceOp.SUM | dist.ReduceOp.AVG -> average?; None
-    for anything else (the fast paths then leave the call to parse_op)."""
-    try:
-        return AVERAGE[op]
-    except (KeyError, TypeError):
-        return None
+    for anything else (the fast paths then leave the call to parse_op).
+    Strings first, in a dict of strings alone: Dynamo before torch 2.14 cannot
+    trace a lookup in a dict that also has ReduceOp keys (torch.compile of the op)."""
+    if isinstance(op, str):
+        return AVERAGE.get(op)
+    if isinstance(op, _REDUCE_OP_TYPES):
+        for reduce_op, average in REDUCE_OPS:
+            if op == reduce_op:
+                return average
+    return None
 
 
 def parse_op(op):

@@ -85,6 +85,12 @@ DELEGATED = ("broadcast", "allreduce_sparse", "reduce", "gather", "scatter", "al
              "send", "recv", "recv_anysource", "barrier", "allgather_coalesced")
 
 
+# The inner backends' Python names for the methods torch 2.14 renamed: the old
+# names, which 2.14 keeps as aliases and older torch knows alone.
+_INNER_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+                "all_to_all_single": "alltoall_base"}
+
+
 def _finished(result, error=None, device=None):
     """The Work of a call run here (csrc/backend.cpp FinishedWork, the fast
     path's too): wait() returns True or raises `error`; for CUDA tensors (on
@@ -214,12 +220,31 @@ class PyallreduceBackend(_C.ServingBackend):
                 raise RuntimeError(f"pyallreduce: the first collective of this {NAME} process group on {device} "
                                    "is inside a CUDA graph capture, where its Communicator cannot be created; "
                                    "make one collective call on this device before capturing")
-            comm = Communicator(self._group, device=device, timeout=self._timeout)
+            comm = Communicator(self._own_group(), device=device, timeout=self._timeout)
             self._comms[device] = comm
             fast_path = comm._eager.backend_args()
             if fast_path is not None:
                 self._set_fast(device, *fast_path)
         return comm
+
+    def _own_group(self):
+        """The ProcessGroup torch made this backend for: handed to the creator
+        from torch 2.14 on; before, found in torch's table of groups, where it
+        is by the first call."""
+        if self._group is None:
+            for group in dist.distributed_c10d._world.pg_map:
+                for device in group._device_types:
+                    backend = group._get_backend(device)  # or, with TORCH_DISTRIBUTED_DEBUG=DETAIL, its checker
+                    if backend is self or getattr(backend, "wrapped_pg", None) is self:
+                        self._group = group
+            if self._group is None:
+                raise RuntimeError(f"pyallreduce: this {NAME} backend is in no process group that torch knows")
+        return self._group
+
+    def monitored_barrier(self, timeout, wait_all_ranks):
+        """The inner gloo backend's (gloo alone has one: it names the ranks
+        that did not arrive)."""
+        self._inner_backend("cpu").monitored_barrier(timeout, wait_all_ranks)
 
     # ---- the inner backends ------------------------------------------------
 
@@ -241,7 +266,13 @@ class PyallreduceBackend(_C.ServingBackend):
         (gloo when they hold no CUDA tensor), logging `why` once per kind."""
         if why is not None and not self._is_serving():
             logs.log_once(f"backend {NAME}: {name} is served by the inner backend: {why}")
-        return getattr(self._inner_backend(_device_type(args)), name)(*args)
+        inner = self._inner_backend(_device_type(args))
+        method = getattr(inner, _INNER_NAMES.get(name, name), None)
+        if method is None:  # torch < 2.14 binds no coalesced tensor forms on gloo and NCCL
+            raise RuntimeError(f"pyallreduce: {name} of this kind goes to the inner backend "
+                               f"({inner.name()}), which torch {torch.__version__} does not offer from Python; "
+                               "call the collective once per tensor")
+        return method(*args)
 
     # ---- lifetime ------------------------------------------------------------
 
@@ -299,6 +330,7 @@ class PyallreduceBackend(_C.ServingBackend):
         self._clear_fast()
         comms, self._comms = list(self._comms.values()), {}
         self._group = None  # breaks the cycle group -> backend -> group
+        self._drop_python_object()  # and, before torch 2.14, C++ backend -> this object
         return comms
 
 
@@ -338,7 +370,8 @@ def create_backend(opts, backend_options):
     """torch.distributed's creator function (extended API: opts.store is already
     prefixed for this group, opts.process_group is the group being made)."""
     timeout = opts.timeout if opts.timeout is not None else datetime.timedelta(minutes=30)
-    return PyallreduceBackend(opts.store, opts.group_rank, opts.group_size, timeout, opts.process_group)
+    return PyallreduceBackend(opts.store, opts.group_rank, opts.group_size, timeout,
+                              getattr(opts, "process_group", None))  # torch < 2.14: none (_own_group)
 
 
 if NAME.upper() not in dist.Backend._plugins:

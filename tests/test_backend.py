@@ -719,3 +719,53 @@ def _release_error(rank, world_size, store_file):
 
 def test_an_error_closing_a_communicator_does_not_escape_destroy_process_group(tmp_path):
     run_ranks(_release_error, WORLD, str(tmp_path / "store"), timeout=TIMEOUT)
+
+
+def _debug_detail(rank, world_size, store_file):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL, what users set to debug a hang: torch
+    wraps the group in its collective checker, which asks the backend for
+    sequence numbers before each collective. The collectives run and are exact
+    (the fast path and the Python path), calls that differ across ranks raise
+    on every rank instead of hanging, and monitored_barrier runs on the inner
+    gloo backend, naming the rank that did not arrive."""
+    import datetime
+
+    dist.set_debug_level_from_env()  # torch read it at import, before run_ranks set it
+    checker = reinit("pyallreduce", store_file)
+    backend = checker.wrapped_pg
+    assert backend.name() == "pyallreduce"
+    before = backend._get_sequence_number_for_group()
+    for _ in range(2):  # the first call goes through Python, the second down the fast path
+        x = exact_input(rank, torch.float32)
+        dist.all_reduce(x)
+        assert torch.equal(x, exact_input(0, torch.float32) * 3)
+    out = torch.empty(2 * NUMEL)
+    dist.all_gather_into_tensor(out, exact_input(rank, torch.float32))
+    assert torch.equal(out, torch.cat([exact_input(0, torch.float32), exact_input(1, torch.float32)]))
+    sequence = backend._get_sequence_number_for_group()  # the Communicator's setup exchanges count too
+    assert sequence >= before + 3
+    sequences = [None] * world_size
+    dist.all_gather_object(sequences, sequence)
+    assert sequences == [sequence] * world_size, sequences
+    assert backend.fast_calls >= 1
+    with pytest.raises(RuntimeError, match="Detected mismatch between collectives on ranks"):
+        dist.all_reduce(torch.ones(4 + rank))
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
+        # torch's own gate, in front of every backend but gloo (2.14 asks the backend)
+        with pytest.raises(ValueError, match="monitored_barrier is only implemented for GLOO backend"):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    else:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        if rank == 0:
+            with pytest.raises(RuntimeError, match="Rank 1 failed to pass monitoredBarrier"):
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
+            open(f"{store_file}.done", "w").close()
+        else:
+            wait_for_file(f"{store_file}.done")
+    dist.destroy_process_group()
+    assert not own_segments_mapped()
+
+
+def test_torch_distributed_debug_detail_checks_collectives_and_monitored_barrier(tmp_path):
+    run_ranks(_debug_detail, WORLD, str(tmp_path / "store"), timeout=TIMEOUT,
+              env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})

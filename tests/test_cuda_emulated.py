@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "tests" / "emulated" / "build_emulated.py"
@@ -28,6 +29,11 @@ sys.path.insert(0, str(BUILD.parent))
 import build_emulated  # noqa: E402
 
 pytestmark = pytest.mark.cuda_emulated
+
+if torch.version.cuda is None:  # the emulation runs torch's own CUDA code (libc10_cuda, the allocator)
+    pytest.skip(f"the emulated GPU stack needs a CUDA build of torch (this is {torch.__version__})",
+                allow_module_level=True)
+
 _build = None
 
 

@@ -958,3 +958,25 @@ def aborted_beside_a_waiting_kernel(rank, world):
 
 def test_abort_ends_an_interpreted_kernel_waiting_for_a_peer():
     run_ranks(aborted_beside_a_waiting_kernel, 2, timeout=120, env=ENV)
+
+
+def _capture_check_of_the_calls_device(rank, world_size):
+    """prepare() asks whether the current stream of the call's device is being
+    captured, not the current device's (a call on cuda:1 while cuda:0 is
+    current): through engines.stream_capturing, the check the CUDA engine uses."""
+    from pyallreduce import triton_kernels
+
+    asked = []
+
+    def capturing(device):
+        asked.append(device)
+        return True
+
+    triton_kernels.stream_capturing = capturing
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        triton_kernels.prepare([4096, 8192], torch.device("cuda", 1))
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_capture_checks_ask_about_the_calls_device():
+    run_ranks(_capture_check_of_the_calls_device, 1, env=ENV)

@@ -10,6 +10,7 @@ signal.py).
 import torch
 
 from pyallreduce import _C
+from pyallreduce.engines import stream_capturing
 from pyallreduce.protocol import is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
@@ -35,7 +36,7 @@ def prepare(regions, device):
     """Makes the arguments every call on these regions passes (see _device_args)."""
     key = (tuple(regions), torch.device(device))
     if key not in _device_args:
-        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if stream_capturing(key[1]):
             raise RuntimeError("pyallreduce: the first Triton call on these regions is inside a CUDA graph "
                                "capture, which does not permit allocating its status record; create the "
                                "Communicator (or make one call) before capturing")

@@ -32,6 +32,7 @@ after the start barrier are stable by then.
 import os
 import time
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -41,7 +42,18 @@ from .status import (CODE_ABORTED, CODE_DEADLINE, CODE_MISMATCH, START_BARRIER, 
                      STATUS_CALL64, STATUS_CODE, STATUS_DESCS64, STATUS_EPOCH, STATUS_GENERATION, STATUS_LAST_CALL64,
                      STATUS_MISMATCHES, STATUS_MISSING, STATUS_PROGRAM)
 
+
+def _version(text):
+    """(major, minor) of a version string such as "3.6.0" or "2.4.0rc1"."""
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])
+
+
 INTERPRET = bool(triton.knobs.runtime.interpret)
+if INTERPRET and _version(triton.__version__) < (3, 8) and _version(np.__version__) >= (2, 4):
+    # Seen with Triton 3.6: its interpreter turns a one-element array into an
+    # index with int(), which numpy 2.4 refuses ("only 0-dimensional arrays").
+    raise ImportError(f"pyallreduce: the Triton interpreter (TRITON_INTERPRET=1) of Triton {triton.__version__} "
+                      f"cannot run these kernels with numpy {np.__version__}: use Triton >= 3.8 or numpy < 2.4")
 _INTERPRET = tl.constexpr(INTERPRET)
 
 # Region layout: the numbers of protocol.h, through pyallreduce._C.

@@ -41,6 +41,7 @@ import torch
 import triton.language as tl
 
 from pyallreduce import _C
+from pyallreduce.engines import stream_capturing
 
 # Which barrier a deadline passed in.
 START_BARRIER = tl.constexpr(1)
@@ -105,7 +106,7 @@ def raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch
     if code == CODE_MISMATCH.value and not mismatch_too:
         return
     on_gpu = device.type == "cuda"
-    capturing = on_gpu and torch.cuda.is_current_stream_capturing()
+    capturing = stream_capturing(device)
     if code == CODE_MISMATCH.value and on_gpu and not capturing:
         torch.cuda.current_stream(device).synchronize()
     words = status.tolist()

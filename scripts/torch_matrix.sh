@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The torch version matrix (issue 39), beside the pinned torch that
+# scripts/setup.sh installs in .venv: each row below gets its own virtual
+# environment under build/matrix/, a CPU-only build of a copy of this tree
+# (so its objects never mix with .venv's build), and the tests of the four
+# faces of the product: the quick tier (the Communicator), then the
+# torch.distributed backend, the custom ops under torch.compile, the DDP hook
+# and the Work contract in full. CI runs it after scripts/test.sh.
+#
+# Rows are what this machine's wheel cache holds (no network): torch 2.13.0
+# (CPU build, /opt/wheels) with Triton 3.6.0, the oldest of each here.
+# numpy < 2.4 with it: Triton 3.6's interpreter cannot run with numpy 2.4
+# (triton_kernels/signal.py says so at import).
+#
+# The machine's pip caps torch at 2.14.1 with a constraints file users do not
+# have: the rows install with PIP_CONSTRAINT empty, and each checks after the
+# build that its torch was not swapped under it (an extension built against
+# one torch and imported with another fails on undefined c10d symbols).
+#
+#   bash scripts/torch_matrix.sh [pytest args for every row]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+ROWS=(
+  "2.13.0|triton==3.6.0 numpy<2.4"
+)
+export PIP_CONSTRAINT=
+failed=0
+for row in "${ROWS[@]}"; do
+  torch_version=${row%%|*}
+  extras=${row#*|}
+  dir=build/matrix/torch-$torch_version
+  venv=$PWD/$dir/venv
+  echo "== torch $torch_version ($extras)"
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  # shellcheck disable=SC2086  # extras is a list of requirement specs
+  "$venv/bin/python" -m pip install -q "torch==$torch_version" $extras pybind11 ninja pytest "setuptools>=77" wheel \
+    2>&1 | { grep -v "^WARNING: Location" || true; }
+  # A copy of the tracked files (mtimes kept: ninja recompiles only what changed).
+  mkdir -p "$dir/src"
+  git ls-files -z | xargs -0 cp -p --parents -t "$dir/src"
+  (cd "$dir/src" && PYALLREDUCE_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
+     "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | { grep -v "^ *$" || true; })
+  (cd "$dir/src" && "$venv/bin/python" -c "
+import torch, pyallreduce._C as C
+assert torch.__version__.split('+')[0] == '$torch_version', f'torch {torch.__version__} was installed under the row for $torch_version'
+print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'missing')")
+  if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick "$@" &&
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_backend.py tests/test_torch_op.py \
+          tests/test_ddp.py tests/test_work_contract.py "$@"); then
+    echo "== torch $torch_version: FAILED"
+    failed=1
+  fi
+done
+exit "$failed"
