@@ -375,8 +375,7 @@ class Communicator:
             return self._agree(src, dst, average, _C.MODE_STAGED, collective)
 
         def run(s, d):
-            self._calls += 1
-            self._engine_of_call().scatter_or_gather(collective, s, d, average, self._calls)
+            self._engine_of_call().scatter_or_gather(collective, s, d, average, self._next_call())
 
         scatter_or_gather_in_pieces(run, scatters, src, dst, self.rank, self.world_size,
                                     None if piece is None else piece // src.element_size())
@@ -402,8 +401,17 @@ class Communicator:
                                      self._calls, src.device)
 
     def _run(self, src, dst, kernel, average):
-        self._calls += 1
-        self._engine_of_call().all_reduce(src, dst, kernel, average, self._calls)
+        self._engine_of_call().all_reduce(src, dst, kernel, average, self._next_call())
+
+    def _next_call(self):
+        """The number of the call about to run. Not counted while torch.compile
+        traces: the counter would be a constant of the graph, which Dynamo
+        guards on, so every later call would recompile (and fail at its
+        recompile limit); a compiled call's number, which only names it in
+        Triton's error records, is that of the last eager call."""
+        if not torch.compiler.is_compiling():
+            self._calls += 1
+        return self._calls
 
     def _engine_of_call(self):
         """The engine, for the next step of a call the kernels run; raises when

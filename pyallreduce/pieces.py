@@ -26,24 +26,25 @@ def scatter_or_gather_in_pieces(run, scatters, src, dst, rank, world_size, per):
     """Reduce-scatter (scatters) or all-gather src into dst, `per` elements of
     every segment at a time (None: whole segments). src and dst may overlap only
     as protocol.h allows (this rank's segment of the larger tensor); anything
-    else goes through a copy of src."""
+    else goes through a copy of src. Under torch.compile addresses are not
+    known when tracing: the op itself refuses any other overlap, saying what
+    to pass (csrc/module.cpp)."""
     src_c, dst_c = src.contiguous(), _contiguous_out(dst)
     whole, part = (src_c, dst_c) if scatters else (dst_c, src_c)
-    if overlaps(src_c, dst_c) and not is_own_segment(part, whole, rank):
+    if not torch.compiler.is_compiling() and overlaps(src_c, dst_c) and not is_own_segment(part, whole, rank):
         src_c = src_c.clone()
     src_c, flat_dst = src_c.view(-1), dst_c.view(-1)
     n = flat_dst.numel() if scatters else src_c.numel()  # elements per segment
-    per = n if per is None else per
-    for start in range(0, n, per):
-        stop = min(n, start + per)
-        if per >= n:
-            s, d = src_c, flat_dst
-        elif scatters:
-            s, d = src_c.view(world_size, n)[:, start:stop].contiguous().view(-1), flat_dst[start:stop]
-        else:
-            s, d = src_c[start:stop], torch.empty(world_size * (stop - start), dtype=dst.dtype, device=dst.device)
-        run(s, d)
-        if not scatters and d is not flat_dst:
-            flat_dst.view(world_size, n)[:, start:stop].copy_(d.view(world_size, -1))
+    if per is None or per >= n:  # one piece: no loop over n, on which torch.compile would specialise
+        run(src_c, flat_dst)
+    else:
+        for start in range(0, n, per):
+            stop = min(n, start + per)
+            if scatters:
+                run(src_c.view(world_size, n)[:, start:stop].contiguous().view(-1), flat_dst[start:stop])
+            else:
+                d = torch.empty(world_size * (stop - start), dtype=dst.dtype, device=dst.device)
+                run(src_c[start:stop], d)
+                flat_dst.view(world_size, n)[:, start:stop].copy_(d.view(world_size, -1))
     if dst_c is not dst:
         dst.copy_(dst_c)

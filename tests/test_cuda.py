@@ -667,6 +667,39 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
 
 
+def check_abort_after_captures_waits_for_nothing_on_the_device(rank, world):
+    """abort() once this communicator's kernels were captured: a graph may
+    replay them at any time, after the abort too, so no wait makes freeing
+    safe, and a device-wide wait could hang behind another library's kernel
+    that waits for a dead peer (an NCCL kernel; ncclCommAbort does not wait for
+    it). So the abort waits for nothing on the device: beside another thread's
+    global-mode capture (where a device-wide wait is refused and invalidates
+    that capture: what the abort did before) it returns and the other capture
+    survives; everything a replay uses stays (the region, the peers' mappings,
+    the status record and graph table), so a replay after the abort touches no
+    freed memory (on the emulation that would fault)."""
+    from pyallreduce.transport import cuda_ipc
+
+    torch.cuda.set_device(0)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 4))
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            out = comm.all_reduce(x, algo="two_shot")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
+    parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
+    with another_threads_capture() as errors:
+        comm.abort()
+    assert not errors, f"the other thread's capture failed: {errors[0]}"
+    assert len(cuda_ipc._parked) == parked_before + 1, "the region stays allocated"
+    assert peer_mappings() == mapped, "the peers stay mapped"
+    graph.replay()  # its kernels see the abort and give up, touching only what stayed
+    torch.cuda.synchronize()
+
+
 def logged():
     """The messages pyallreduce logs in this process from now on (a list that grows)."""
     import logging
@@ -1322,6 +1355,10 @@ def test_beside_another_threads_capture():
 
 def test_close_after_captures_beside_another_threads_capture():
     run_ranks(check_close_after_captures_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
+
+
+def test_abort_after_captures_waits_for_nothing_on_the_device():
+    run_ranks(check_abort_after_captures_waits_for_nothing_on_the_device, 2, timeout=RUN_TIMEOUT)
 
 
 def test_capture_exit_beside_another_threads_capture():

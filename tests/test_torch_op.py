@@ -118,3 +118,64 @@ def seen_by_dispatch_modes(rank, world):
 
 def test_dispatch_modes_and_the_profiler_see_the_op():
     run_ranks(seen_by_dispatch_modes, 2, timeout=120)
+
+
+def compiled_dynamic_shapes(rank, world):
+    """torch.compile(dynamic=True, fullgraph=True): sizes that change between
+    calls, every dtype the ops accept (the kernels' and the fallback's), sum
+    and avg, reduce-scatter and all-gather; every result exact."""
+    comm = make_comm()
+
+    def step(x):
+        total = comm.all_reduce(x, op="sum")
+        mean = comm.all_reduce(x, op="avg")
+        segment = comm.reduce_scatter(x, op="sum")
+        return total, mean, segment, comm.all_gather(segment)
+
+    fn = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64):
+        for k in (500, 777, 1234):
+            n = world * k
+            total, mean, segment, gathered = fn(exact_input(n, rank, dtype, salt=k))
+            want = exact_sum(n, world, dtype, salt=k)
+            assert torch.equal(total, want), (dtype, n)
+            want_mean = ((want.double() / world).to(dtype) if dtype.is_floating_point
+                         else torch.div(want, world, rounding_mode="trunc"))  # integers: NCCL's avg, truncated
+            assert torch.equal(mean, want_mean), (dtype, n)
+            assert torch.equal(segment, want[rank * k:(rank + 1) * k]), (dtype, n)
+            assert torch.equal(gathered, want), (dtype, n)
+    comm.close()
+
+
+def test_torch_compile_with_dynamic_shapes_every_dtype_and_op():
+    run_ranks(compiled_dynamic_shapes, 2, timeout=600)
+
+
+def compiled_in_a_loop(rank, world):
+    """A compiled step called more often than Dynamo's recompile limit (8), as
+    a training loop does: compiled once, never again (the communicator's call
+    counter once made every call recompile, and the ninth fail)."""
+    import torch._dynamo
+
+    comm = make_comm()
+
+    def step(x):
+        total = comm.all_reduce(x, op="sum")
+        comm.all_reduce_(x, op="avg")
+        return total, comm.all_gather(comm.reduce_scatter(total, op="sum"))
+
+    fn = torch.compile(step, fullgraph=True, backend="aot_eager")
+    n = world * 700
+    fn(exact_input(n, rank, torch.float32))
+    torch._dynamo.config.error_on_recompile = True
+    for i in range(2 * torch._dynamo.config.recompile_limit):
+        x = exact_input(n, rank, torch.float32, salt=i)
+        total, gathered = fn(x)
+        want = exact_sum(n, world, torch.float32, salt=i)
+        assert torch.equal(total, want) and torch.equal(x, want / world) and torch.equal(gathered, want * world), i
+    comm.close()
+
+
+@pytest.mark.quick
+def test_a_compiled_step_in_a_loop_compiles_once():
+    run_ranks(compiled_in_a_loop, 2, timeout=400)

@@ -181,13 +181,25 @@ class CudaEngine(NativeEngine):
                 # graph entries, which peers map, come back: the transport drops them
                 # with the registered buffers, after every rank has unmapped them (or
                 # never, without sync).
+                # Without the peers (an abort, an error, exit) once kernels were captured,
+                # nothing is waited for: a graph may replay them at any time, after this
+                # close too, so no wait makes freeing safe, and the device-wide wait could
+                # hang behind another library's kernel that waits for a dead peer (as
+                # ncclCommAbort does not wait for it). Everything stays, as below.
                 _C.seal_context(self.handle)
-                try:
-                    self.wait_until_unused()
-                except Exception as e:  # CUDA errors of a failed device come in several types
-                    self.unwaited = str(e)
+                self._captured = _C.cuda_launch_chain(self.handle)[1]
+                if self._captured and not sync:
+                    self.unwaited = ("pyallreduce: a communicator was closed without its peers after its kernels "
+                                     "were captured into CUDA graphs, which may still replay them: what they use "
+                                     "stays allocated and mapped until the process exits")
+                    logs.log_once(self.unwaited)
                 else:
-                    self.transport.keep(_C.cuda_clear_buffers(self.handle))
+                    try:
+                        self.wait_until_unused()
+                    except Exception as e:  # CUDA errors of a failed device come in several types
+                        self.unwaited = str(e)
+                    else:
+                        self.transport.keep(_C.cuda_clear_buffers(self.handle))
         finally:
             super().close(sync)
 
