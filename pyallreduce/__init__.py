@@ -9,12 +9,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the torch.ops.pyallreduce schemas and kernels)
 from . import ddp
+from .logs import log_once, logger
+
 try:  # registers the "pyallreduce" torch.distributed backend
     from . import backend  # noqa: F401
-except (AttributeError, TypeError) as e:  # a torch whose c10d Backend Python cannot subclass
-    from .logs import log_once
-
+except (AttributeError, TypeError) as e:  # a torch older than 2.13: csrc/backend.cpp builds no ServingBackend
     log_once(f"the torch.distributed backend 'pyallreduce' is not available with torch {torch.__version__}: {e}")
+else:
+    logger.info("pyallreduce: the torch.distributed backend 'pyallreduce' serves eager calls in C++ "
+                "(csrc/backend.cpp), torch %s", torch.__version__)
 from .communicator import DEFAULT_TIMEOUT, Communicator
 
 __version__ = "0.1.0"

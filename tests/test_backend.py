@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pyallreduce  # noqa: F401  (registers the "pyallreduce" backend)
 
 if not hasattr(pyallreduce._C, "ServingBackend"):
-    pytest.skip(f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})",
+    pytest.skip(f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})",
                 allow_module_level=True)
 from launch import own_segments_mapped, run_ranks, wait_for_file
 

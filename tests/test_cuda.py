@@ -858,6 +858,35 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     assert_a_new_gpu_group_sums(rank, world, store_file)
 
 
+def check_backend_beside_another_threads_capture(rank, world, store_file):
+    """dist.* calls on a "pyallreduce" group with CUDA tensors while another
+    thread captures a CUDA graph in global mode (torch.cuda.graph's default):
+    each served call's Work creates and records a CUDA event after the kernel,
+    which CUDA permits beside a capture (an event query or a synchronisation
+    would invalidate it), and wait() without a timeout orders streams without
+    asking the host. So the calls are exact and the other capture survives.
+    (is_completed() and wait(timeout) query that event, as NCCL's Works do:
+    not for such moments.)"""
+    import torch.distributed as dist
+
+    import pyallreduce  # noqa: F401  (registers the backend)
+
+    torch.cuda.set_device(0)
+    dist.destroy_process_group()  # run_ranks' gloo group
+    dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    dist.all_reduce(on_gpu(torch.ones(8)))  # the communicator, made before: its construction allocates
+    x, y = on_gpu(exact_input(1000, rank, torch.float32, 12)), on_gpu(exact_input(3000, rank, torch.float32, 13))
+    with another_threads_capture() as errors:
+        dist.all_reduce(x)  # the C++ fast path
+        work = dist.all_reduce(y, async_op=True)
+        work.wait()
+    assert not errors, f"the other thread's capture failed: {errors[0]}"
+    assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 12))
+    assert torch.equal(y.cpu(), exact_sum(3000, world, torch.float32, 13))
+    assert work.is_completed()
+    dist.destroy_process_group()
+
+
 def check_work_contract(rank, world, store_file):
     """The Work contract (tests/work_contract.py) for CUDA Works of the
     backend: the fast path's and the Python path's, succeeding, and failing on
@@ -892,9 +921,15 @@ def check_work_contract(rank, world, store_file):
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
+                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
 def test_work_contract(tmp_path):
     run_ranks(check_work_contract, 2, str(tmp_path / "store"), timeout=240)
+
+
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
+                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
+def test_backend_beside_another_threads_capture(tmp_path):
+    run_ranks(check_backend_beside_another_threads_capture, 2, str(tmp_path / "store"), timeout=240)
 
 
 def check_two_communicators_on_two_gpus_in_two_threads(rank, world):
@@ -1376,7 +1411,7 @@ def test_capture_left_inside_the_graph_capture():
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
+                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
@@ -1391,7 +1426,7 @@ def test_abort_beside_a_close_waiting_for_kernels():
 
 
 @pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.14 (this is {torch.__version__})")
+                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
 def test_backend_abort_beside_a_waiting_kernel(tmp_path):
     run_ranks(check_backend_abort_beside_a_waiting_kernel, 2, str(tmp_path / "store"), timeout=240)
 
