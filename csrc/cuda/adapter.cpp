@@ -108,8 +108,12 @@ bool cuda_current_stream_capturing(int device) { return cuda::is_capturing(curre
 // torch's own switch (see DeviceSwitch): the thread's device as torch keeps it,
 // and put back only where it has a context.
 int torch_exchange_device(int device) { return c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(device)); }
-void torch_put_back_device(int device) {
-  if (c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device)) != cudaSuccess) cudaGetLastError();
+void torch_put_back_device(int device) {  // from a destructor: nothing may escape
+  try {
+    if (c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(device)) != cudaSuccess) cudaGetLastError();
+  } catch (const std::exception&) {
+    cudaGetLastError();  // the thread keeps the scope's device, as a failed cudaSetDevice back would
+  }
 }
 
 void bind_cuda(py::module_& m) {
