@@ -35,7 +35,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 # Python backend, dist.* on torch's C++ fake backend
 # torch 2.14 made c10d's Backend a class Python can subclass; before, the Python
 # floor cannot be built ("No constructor defined") and its columns stay empty.
-PYTHON_FLOOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+PYTHON_FLOOR = torch.__version__ >= (2, 14)  # a TorchVersion, which compares with tuples
 PATHS = tuple(p for p in ("gloo", "backend", "direct", "floor", "cpp_floor") if PYTHON_FLOOR or p != "floor")
 FLOOR = "pyallreduce_floor"
 

@@ -750,7 +750,7 @@ def _debug_detail(rank, world_size, store_file):
     assert backend.fast_calls >= 1
     with pytest.raises(RuntimeError, match="Detected mismatch between collectives on ranks"):
         dist.all_reduce(torch.ones(4 + rank))
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
+    if torch.__version__ < (2, 14):  # torch.torch_version.TorchVersion compares with tuples
         # torch's own gate, in front of every backend but gloo (2.14 asks the backend)
         with pytest.raises(ValueError, match="monitored_barrier is only implemented for GLOO backend"):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))

@@ -170,7 +170,7 @@ def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):
     do-nothing Python backend, torch's C++ fake backend); one JSON row per size."""
     import torch
 
-    torch_before_2_14 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
+    torch_before_2_14 = torch.__version__ < (2, 14)  # a TorchVersion, which compares with tuples
     out = tmp_path / "backend.json"
     cmd = [sys.executable, str(bench_scripts.BENCH_DIR / "backend_bench.py"), "--nproc", "2", "--sizes", "256:16K",
            "--factor", "64", "--iters", "3", "--warmup", "1", "--json", str(out)]

@@ -631,6 +631,22 @@ def check_beside_another_threads_capture(rank, world):
     assert torch.equal(x.cpu(), exact_sum(1000, world, torch.float32, 3))
 
 
+def captured_and_replayed(rank):
+    """A communicator on GPU 0 whose out-of-place two-shot all-reduce (of
+    exact_input(1000, rank, float32, 4)) was captured into a graph, replayed
+    once: (comm, graph, out)."""
+    torch.cuda.set_device(0)
+    comm = make_comm()
+    x = on_gpu(exact_input(1000, rank, torch.float32, 4))
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            out = comm.all_reduce(x, algo="two_shot")  # out of place: reads x in place through its graph entry
+    graph.replay()
+    torch.cuda.synchronize()
+    return comm, graph, out
+
+
 def check_close_after_captures_beside_another_threads_capture(rank, world):
     """Once a graph holds this communicator's kernels, close() must wait for the
     whole device (a replay may run on any stream), which CUDA refuses while
@@ -643,15 +659,7 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
     emulation invalidates it."""
     from pyallreduce.transport import cuda_ipc
 
-    torch.cuda.set_device(0)
-    comm = make_comm()
-    x = on_gpu(exact_input(1000, rank, torch.float32, 4))
-    graph = torch.cuda.CUDAGraph()
-    with comm.capture():
-        with torch.cuda.graph(graph):
-            out = comm.all_reduce(x, algo="two_shot")  # out of place: reads x in place through its graph entry
-    graph.replay()
-    torch.cuda.synchronize()
+    comm, graph, out = captured_and_replayed(rank)
     parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
     with another_threads_capture():  # whatever it raised: undocumented (see above)
         with pytest.raises(RuntimeError, match=r"closing the communicator failed on rank 0: .*CUDA cannot wait "
@@ -680,15 +688,7 @@ def check_abort_after_captures_waits_for_nothing_on_the_device(rank, world):
     freed memory (on the emulation that would fault)."""
     from pyallreduce.transport import cuda_ipc
 
-    torch.cuda.set_device(0)
-    comm = make_comm()
-    x = on_gpu(exact_input(1000, rank, torch.float32, 4))
-    graph = torch.cuda.CUDAGraph()
-    with comm.capture():
-        with torch.cuda.graph(graph):
-            out = comm.all_reduce(x, algo="two_shot")
-    graph.replay()
-    torch.cuda.synchronize()
+    comm, graph, out = captured_and_replayed(rank)
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
     parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
     with another_threads_capture() as errors:
