@@ -14,10 +14,13 @@
 // its context with its crossover row (set_fast) only when its eager calls go
 // direct.
 //
-// Built for torch 2.13 and later (the versions it was tested with; with an
-// older torch the module has no ServingBackend and pyallreduce's import logs
-// that the backend is missing: the Communicator, the op and the DDP hook do not
-// need it). Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
+// Built for torch 2.9 and later: the first whose c10d::Backend and Work have
+// every method overridden here (shutdown and abort came in 2.7,
+// getFutureResult in 2.6, blockCurrentStream in 2.9, read off the headers of
+// 2.4.1 to 2.12.1); tested on 2.11, 2.13, 2.14 and 2.15. With an older torch
+// the module has no ServingBackend and pyallreduce's import logs that the
+// backend is missing: the Communicator, the op and the DDP hook do not need
+// it. Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
 // the tensor collectives (all_gather_single for _allgather_base, ...; the old
 // names stay as aliases that forward to the new ones) and gave a Backend a
 // PyObject slot.
@@ -25,7 +28,7 @@
 
 #include "backend.h"
 
-#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9))
 #if !PYALLREDUCE_SERVING_BACKEND
 void pyallreduce::bind_backend(pybind11::module_&) {}
 #else

@@ -13,7 +13,7 @@ from .logs import log_once, logger
 
 try:  # registers the "pyallreduce" torch.distributed backend
     from . import backend  # noqa: F401
-except (AttributeError, TypeError) as e:  # a torch older than 2.13: csrc/backend.cpp builds no ServingBackend
+except (AttributeError, TypeError) as e:  # a torch older than 2.9: csrc/backend.cpp builds no ServingBackend
     log_once(f"the torch.distributed backend 'pyallreduce' is not available with torch {torch.__version__}: {e}")
 else:
     logger.info("pyallreduce: the torch.distributed backend 'pyallreduce' serves eager calls in C++ "

@@ -7,24 +7,36 @@
 # torch.distributed backend, the custom ops under torch.compile, the DDP hook
 # and the Work contract in full. CI runs it after scripts/test.sh.
 #
-# Rows are what this machine's wheel cache holds (no network): torch 2.13.0
-# (CPU build, /opt/wheels) with Triton 3.6.0, the oldest of each here.
-# numpy < 2.4 with it: Triton 3.6's interpreter cannot run with numpy 2.4
-# (triton_kernels/signal.py says so at import).
+# CI's row is torch 2.13.0, a CPU build on this machine's disk (/opt/wheels),
+# with Triton 3.6.0: installed in seconds. PYALLREDUCE_TORCH_ROWS="2.15.0
+# 2.11.0 2.4.1" runs those rows instead (by hand: each downloads PyPI's CUDA
+# build of torch, 2.5-4 GB with its CUDA libraries, and takes 8-12 minutes on
+# 2 cores, which CI's 30 minutes cannot hold). numpy < 2.4 with Triton < 3.8:
+# Triton 3.6's interpreter cannot run with numpy 2.4 (triton_kernels/signal.py
+# says so at import).
 #
 # The machine's pip caps torch at 2.14.1 with a constraints file users do not
-# have: the rows install with PIP_CONSTRAINT empty, and each checks after the
-# build that its torch was not swapped under it (an extension built against
-# one torch and imported with another fails on undefined c10d symbols).
+# have: the rows install with PIP_CONSTRAINT=/dev/null (an empty one; an
+# empty variable leaves the file's), and each checks after the build that its
+# torch was not swapped under it (an extension built against one torch and
+# imported with another fails on undefined c10d symbols).
 #
 #   bash scripts/torch_matrix.sh [pytest args for every row]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-ROWS=(
-  "2.13.0|triton==3.6.0 numpy<2.4"
+declare -A EXTRAS=(
+  [2.13.0]="triton==3.6.0 numpy<2.4"
+  [2.11.0]="numpy<2.4"  # its Triton is 3.6
+  [2.4.1]=""            # its Triton is 3.0, which the Triton engine refuses (>= 3.6)
+  [2.15.0]=""
 )
-export PIP_CONSTRAINT=
+ROWS=()
+for v in ${PYALLREDUCE_TORCH_ROWS:-2.13.0}; do
+  [ -n "${EXTRAS[$v]+set}" ] || { echo "no row for torch $v: add its extras to EXTRAS" >&2; exit 2; }
+  ROWS+=("$v|${EXTRAS[$v]}")
+done
+export PIP_CONSTRAINT=/dev/null
 failed=0
 for row in "${ROWS[@]}"; do
   torch_version=${row%%|*}
@@ -45,9 +57,11 @@ for row in "${ROWS[@]}"; do
 import torch, pyallreduce._C as C
 assert torch.__version__.split('+')[0] == '$torch_version', f'torch {torch.__version__} was installed under the row for $torch_version'
 print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'missing')")
-  if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick "$@" &&
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_backend.py tests/test_torch_op.py \
-          tests/test_ddp.py tests/test_work_contract.py "$@"); then
+  # The quick tier of every other file, then the four faces' files in full.
+  faces=(tests/test_backend.py tests/test_torch_op.py tests/test_ddp.py tests/test_work_contract.py)
+  if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick \
+          "${faces[@]/#/--ignore=}" "$@" &&
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider "${faces[@]}" "$@"); then
     echo "== torch $torch_version: FAILED"
     failed=1
   fi

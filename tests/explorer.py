@@ -1,5 +1,5 @@
 """A seeded explorer of the lifecycle and threading state space, on the CPU
-engine (CudaExplorer, below, on CUDA communicators, by hand): random sequences of what users do to communicators and to a
+engine (CudaExplorer, below, on CUDA communicators): random sequences of what users do to communicators and to a
 "pyallreduce" process group, in orders nobody wrote a test for, with the
 invariants checked after every step.
 
@@ -32,6 +32,7 @@ the latter). A failure names the seed and the steps that led to it:
 replays it.
 """
 import argparse
+import contextlib
 import random
 import re
 import threading
@@ -185,22 +186,29 @@ class Explorer:
     def threads(self):
         drawn = [[self.drawn_call(kernels_only=True) for _ in range(self.rng.randint(1, 4))] for _ in range(2)]
         comms = [self.comm(0), self.comm(1)]
+        if comms[0] is not self.slots[0]:  # making slot 1 took slot 0's GPUs (CudaExplorer): one thread
+            comms, drawn = comms[1:], drawn[1:]
         saved_salt, errors = self.salt, []
 
         def run(slot):
             try:
                 worker = Explorer.__new__(Explorer)  # its own salts: both threads draw the same inputs
                 worker.rank, worker.world, worker.salt = self.rank, self.world, saved_salt + 1000 * (slot + 1)
-                for d in drawn[slot]:
-                    worker.run_call(comms[slot], d)
+                with self.thread_stream(comms[slot]):
+                    for d in drawn[slot]:
+                        worker.run_call(comms[slot], d)
             except BaseException as e:  # noqa: BLE001  (reported below, with the step)
                 import traceback; errors.append(f"slot {slot}: {e!r}" + traceback.format_exc())
 
-        threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+        threads = [threading.Thread(target=run, args=(s,)) for s in range(len(comms))]
         for t in threads:
             t.start()
         self.joined(threads, errors)
         return f"threads {drawn}"
+
+    def thread_stream(self, comm):
+        """Where a thread of the threads step enqueues its calls: nothing on CPU."""
+        return contextlib.nullcontext()
 
     def close(self, slot=None):
         slot = self.rng.randrange(2) if slot is None else slot
@@ -285,12 +293,9 @@ if __name__ == "__main__":
 
 
 class CudaExplorer(Explorer):
-    """The explorer on CUDA communicators, by hand for now (`--device cuda`,
-    on a GPU or on the emulated CUDA runtime, whose two devices let ranks
-    pick different GPUs and change them between communicators): not in CI,
-    since on the emulated runtime seeds 2 and 3 (25 steps) end in a
-    segmentation fault after a replay, undiagnosed (docs/verification.md).
-    Without the
+    """The explorer on CUDA communicators (`--device cuda`; in CI on the
+    emulated CUDA runtime, whose two devices let ranks pick different GPUs
+    and change them between communicators: tests/test_explorer.py). Without the
     torch.distributed backend's steps (its CUDA inner backend is NCCL, which
     the emulation lacks) and with kernel dtypes only (torch's own CUDA kernels
     do not run there); with registered buffers and graph capture and replay."""
@@ -303,6 +308,11 @@ class CudaExplorer(Explorer):
     def __init__(self, rank, world, seed):
         self.rank, self.world, self.rng = rank, world, random.Random(seed)
         self.slots, self.made, self.salt, self.group = [None, None], [], 0, None
+        # CUDA lets one device per process open a given peer GPU's IPC handles
+        # (cudaIpcOpenMemHandle), for the life of the process here (the
+        # emulation's reading): per rank, (peer, its GPU) -> the GPU that did.
+        self.importing = [{} for _ in range(world)]
+        self.kept_mapped = False  # an abort after captures kept its mappings (until the process exits)
 
     def drawn_call(self, kernels_only=True):
         """Kernel dtypes only, and no reduce-scatter or all-gather past one
@@ -317,14 +327,62 @@ class CudaExplorer(Explorer):
         import pyallreduce
 
         slot = self.rng.randrange(2) if slot is None else slot
-        devices = [self.rng.randrange(torch.cuda.device_count()) for _ in range(self.world)]
-        max_bytes = self.rng.choice(self.MAX_BYTES)
         self.close(slot)
-        comm = pyallreduce.Communicator(device=torch.device("cuda", devices[self.rank]), backend="cuda",
-                                        max_bytes=max_bytes, timeout=60, nblocks=4)
-        assert comm.fallback_reason is None, comm.fallback_reason
-        self.slots[slot] = comm
-        return f"construct slot {slot} on GPUs {devices}, max_bytes {max_bytes}"
+        for tries in range(100):  # until the GPUs drawn can all import from each other (below)
+            if tries == 20 and self.slots[1 - slot] is not None:
+                # The other slot's communicator may hold the only GPUs whose
+                # imports CUDA still allows, or the blocks: as a user would, close it.
+                self.made.append(self.close(1 - slot))
+            devices = [self.rng.randrange(torch.cuda.device_count()) for _ in range(self.world)]
+            max_bytes = self.rng.choice(self.MAX_BYTES)
+            refused, opened = self.imports(devices)
+            try:
+                comm = pyallreduce.Communicator(device=torch.device("cuda", devices[self.rank]), backend="cuda",
+                                                max_bytes=max_bytes, timeout=60, nblocks=4)
+            except ValueError as e:
+                # Ranks sharing a GPU whose blocks the live communicators hold:
+                # refused on every rank, before any probe (the emulated GPU holds 8).
+                assert re.search(r"share GPU .* holds only \d+ blocks", str(e)), e
+                self.made.append(f"construct on GPUs {devices}: refused, the GPU's blocks are taken")
+                continue
+            for r, peer_gpu, gpu in opened:
+                self.importing[r][peer_gpu] = gpu
+            if not refused:
+                assert comm.fallback_reason is None, comm.fallback_reason
+                self.slots[slot] = comm
+                return f"construct slot {slot} on GPUs {devices}, max_bytes {max_bytes}"
+            # A rank's GPU may not import a peer GPU's handles that another GPU
+            # of the same process imported: every rank falls back, saying so.
+            assert comm.fallback_reason is not None and "open them on another of its GPUs" in \
+                comm.fallback_reason, f"GPUs {devices}: {comm.fallback_reason}"
+            comm.close()
+            self.made.append(f"construct on GPUs {devices}: falls back (rank {refused[0]} imported GPU "
+                             f"{refused[1]}'s handles on another of its GPUs)")
+        raise AssertionError(f"no GPUs drawn in 100 tries could serve: the last tries {self.made[-4:]}")
+
+    def imports(self, devices):
+        """What the topology probe of ranks on `devices` will open: (None, or
+        (rank, peer GPU) of the first rank whose GPU may not open a peer's
+        handles; the opens that succeed, to record once the probe ran), in
+        the order it opens (peers by rank, a rank stopping at its first
+        refusal)."""
+        refused, opened = None, []
+        for r in range(self.world):
+            for q in range(self.world):
+                if q == r:
+                    continue
+                if self.importing[r].get((q, devices[q]), devices[r]) != devices[r]:
+                    refused = refused or (r, devices[q])
+                    break
+                opened.append((r, (q, devices[q]), devices[r]))
+        return refused, opened
+
+    def thread_stream(self, comm):
+        """A stream of its own, as threads calling collectives at once must
+        have (README): on one stream the kernels would run in the order the
+        threads came, which differs between ranks, each waiting for a peer
+        kernel queued behind the other until the deadline, as NCCL's would."""
+        return torch.cuda.stream(torch.cuda.Stream(comm.device))
 
     def register(self):
         slot, numel, calls = self.rng.randrange(2), self.rng.choice(NUMELS), self.rng.randint(1, 3)
@@ -371,7 +429,11 @@ class CudaExplorer(Explorer):
         if self.rank == victim:
             comm.all_reduce(torch.ones(64).to(comm.device))
             time.sleep(0.3)
+        engine = comm._engine
         comm.abort()
+        # After captures an abort keeps what a replay may use, peer mappings
+        # included, until the process exits (CudaEngine.close): it says so.
+        self.kept_mapped |= bool(engine._captured)
         self.slots[slot] = None
         dist.barrier()
         return f"abort slot {slot}, rank {victim}'s kernel waiting"
@@ -383,4 +445,5 @@ class CudaExplorer(Explorer):
             import ctypes
 
             mapped = ctypes.CDLL(None).pyallreduce_emulated_peer_mappings()
-            assert mapped == 0, f"{mapped} peer allocations still mapped after every communicator closed"
+            assert mapped == 0 or self.kept_mapped, \
+                f"{mapped} peer allocations still mapped after every communicator closed"

@@ -73,9 +73,12 @@ def own_segments_mapped():
                 for line in maps if "/pyallreduce-" in line]
 
 
-def _rank_main(fn, rank, world_size, port, env, report, args):
+def _rank_main(pickled_fn, rank, world_size, port, env, report, args):
     os.environ.clear()  # the server's environment is that of when it started
     os.environ.update(env)
+    # fn's module (a test file, which may ask CUDA about its devices when it
+    # loads) is imported only now, under the rank's environment.
+    fn = pickle.loads(pickled_fn)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import faulthandler
@@ -165,28 +168,31 @@ def _forkserver():
     return ctx
 
 
-def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, expect_exit=None):
+def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, rank_env=None, expect_exit=None):
     """Runs fn on every rank; see the module docstring.
 
-    env: extra environment variables for the children (set before fn runs).
+    env: extra environment variables for the children (set before fn's
+    module is imported in them); rank_env: a dict of more for each rank.
     expect_exit: {rank: exitcode} for ranks a test kills on purpose; those
     ranks report no result and their exit code must match.
     """
     for attempt in range(1, _SETUP_ATTEMPTS + 1):
         try:
-            return _run_ranks_once(fn, world_size, args, timeout, env, expect_exit)
+            return _run_ranks_once(fn, world_size, args, timeout, env, rank_env, expect_exit)
         except _SetupFailure:
             if attempt == _SETUP_ATTEMPTS:
                 raise
 
 
-def _run_ranks_once(fn, world_size, args, timeout, env, expect_exit):
+def _run_ranks_once(fn, world_size, args, timeout, env, rank_env, expect_exit):
     ctx = _forkserver()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (read end, write end) per rank
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    rank_env = rank_env or [{}] * world_size
     expect_exit = dict(expect_exit or {})
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, env, pipes[r][1], args), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(pickle.dumps(fn), r, world_size, port, {**env, **rank_env[r]},
+                                                  pipes[r][1], args), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -52,3 +52,15 @@ def tolerance(dtype, world_size):
     """Against an fp64 reference: one final rounding plus the fp32 sums."""
     eps = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
     return dict(rtol=2 * eps, atol=2 * eps * world_size)
+
+
+def triton_kernels_unusable(interpret):
+    """Why the Triton kernels cannot run here (under TRITON_INTERPRET=1 when
+    `interpret`), for a test's skip, or None (pyallreduce/triton_requirements.py)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    from pyallreduce import triton_requirements
+
+    return triton_requirements.triton_too_old() or (triton_requirements.interpreter_unusable() if interpret else None)

@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pyallreduce  # noqa: F401  (registers the "pyallreduce" backend)
 
 if not hasattr(pyallreduce._C, "ServingBackend"):
-    pytest.skip(f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})",
+    pytest.skip(f"the torch.distributed backend needs torch >= 2.9 (this is {torch.__version__})",
                 allow_module_level=True)
 from launch import own_segments_mapped, run_ranks, wait_for_file
+from work_contract import EXCEPTION_BINDING_WORKS  # torch < 2.13 cannot answer exception()
 
 WORLD = 2
 TIMEOUT = 90.0
@@ -80,7 +81,8 @@ def _all_reduce(rank, world_size, backend, store_file):
         work.synchronize()  # the Work's other waits: a CPU call has finished
         work.block_current_stream()
         assert torch.equal(x, expected[dtype]), f"async sum {dtype}"
-        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert work.is_completed() and work.is_success()
+        assert not EXCEPTION_BINDING_WORKS or work.exception() is None
         assert len(work.result()) == 1 and work.result()[0] is x
         future_value = work.get_future().wait()
         assert len(future_value) == 1 and torch.equal(future_value[0], x)
@@ -118,7 +120,8 @@ def _errors(rank, world_size, store_file):
     mismatched = torch.ones(16384 if rank == 0 else 1)  # the communicator's call descriptors differ
     work = dist.all_reduce(mismatched, async_op=True)  # returns; the error is the Work's
     assert impl.fast_calls == 1
-    assert work.is_completed() and not work.is_success() and "ranks disagree" in str(work.exception())
+    assert work.is_completed() and not work.is_success()
+    assert not EXCEPTION_BINDING_WORKS or "ranks disagree" in str(work.exception())
     with pytest.raises(RuntimeError, match="ranks disagree"):
         work.wait()
     with pytest.raises(RuntimeError, match="ranks disagree"):
@@ -565,8 +568,11 @@ def _delegated(rank, world_size, store_file):
     dist.all_to_all_single(out, torch.arange(w, dtype=torch.float32) + 100 * rank)
     assert torch.equal(out, torch.tensor([100.0 * q + rank for q in range(w)]))
     outs = [torch.empty(1) for _ in range(w)]
-    dist.all_to_all(outs, [torch.tensor([100.0 * rank + q]) for q in range(w)])
-    assert [o.item() for o in outs] == [100.0 * q + rank for q in range(w)]
+    try:
+        dist.all_to_all(outs, [torch.tensor([100.0 * rank + q]) for q in range(w)])
+        assert [o.item() for o in outs] == [100.0 * q + rank for q in range(w)]
+    except RuntimeError as e:  # gloo's own answer before torch 2.13 (2.11's gloo has no list form)
+        assert torch.__version__ < (2, 13) and "gloo does not support alltoall" in str(e), e
     t = torch.full((2,), float(rank))
     if rank == 0:
         for q in range(1, w):
@@ -763,7 +769,9 @@ def _debug_detail(rank, world_size, store_file):
         else:
             wait_for_file(f"{store_file}.done")
     dist.destroy_process_group()
-    assert not own_segments_mapped()
+    # Before torch 2.13 (seen on 2.11) the checker does not pass the group's
+    # shutdown on to the backend: its communicators end at the process's exit.
+    assert torch.__version__ < (2, 13) or not own_segments_mapped()
 
 
 def test_torch_distributed_debug_detail_checks_collectives_and_monitored_barrier(tmp_path):

@@ -69,7 +69,7 @@ def test_test_cuda_passes_on_the_emulated_runtime(emulated_env):
     assert rc == 0, out[-8000:]
     passed, skips = summary(out)
     # Every CUDA-backend check (eager, graphs, registration, reduce-scatter and
-    # all-gather, mismatches, two streams, back to back) at 2, 4 and 8 ranks,
+    # all-gather, mismatches, two streams, back to back) at 2 and 4 ranks,
     # the deadline, the README snippet, the capture error, calls beside another
     # thread's capture, the torch.distributed backend on CUDA tensors,
     # unregistering at once, the DDP hook and the README's DDP snippet on a real
@@ -116,8 +116,10 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
     context, capture modes and
     what they prohibit, the legacy stream, the ending thread, isolation,
     replays, unrecorded events, event times, frees, IPC and its reference
-    counts, the legacy stream's capture query, no device sync beside a
-    capture, kernels and other devices' memory, sticky kernel faults, host access) against the return
+    counts, CUDA_VISIBLE_DEVICES and IPC handles of GPUs not visible, one
+    importing context per peer GPU, the legacy stream's capture query, no
+    device sync beside a capture, kernels and other devices' memory, sticky
+    kernel faults, host access) against the return
     codes CUDA's Runtime API documents, through the runtime's C API alone."""
     exe = tmp_path / "rules"
     subprocess.run(["g++", "-std=c++20", "-O1", "-I", build_emulated.cuda_include(), str(BUILD.parent / "rules.cpp"),
@@ -127,19 +129,32 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
         proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYALLREDUCE_EMULATED_DELAY_US": delay})
         lines = proc.stdout.splitlines()
-        assert proc.returncode == 0 and len(lines) == 20 and all(line.startswith("ok ") for line in lines), \
+        assert proc.returncode == 0 and len(lines) == 22 and all(line.startswith("ok ") for line in lines), \
             f"delay {delay} us:\n{proc.stdout}{proc.stderr}"
+
+
+def test_cuda_explorer_on_the_emulated_runtime(emulated_env):
+    """tests/explorer.py's CudaExplorer (test_explorer.py::test_cuda_explorer):
+    its seeds' random lifecycles of CUDA communicators on the emulation's two
+    GPUs, ranks on either, with registration, capture and replay, threads,
+    close and abort, and IPC imports CUDA refuses."""
+    from test_explorer import CUDA_RUNS
+
+    rc, out = run_pytest_on_emulation(emulated_env, str(ROOT / "tests" / "test_explorer.py"), "-k", "cuda")
+    assert rc == 0, out[-8000:]
+    assert summary(out)[0] == len(CUDA_RUNS), out[-3000:]
 
 
 def test_compare_nccl_runs_the_gpu_path_on_the_emulation(emulated_env, tmp_path):
     """bench/compare_nccl.py on the emulated runtime: the CUDA communicator, IPC
-    and comm.capture() graphs (1 KiB is timed as graph replays) for every algo,
+    and comm.capture() graphs (1 KiB is timed as graph replays) for every algo
+    and op (fp32 only: every dtype runs in test_test_cuda_passes_on_the_emulated_runtime),
     a chunked size (256 KiB in 64 KiB runs) included, checked exactly against the
     expected sums and the reference (gloo through host copies there); its times
     are labelled as the emulation's."""
     out = tmp_path / "emulated.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_nccl.py"), "--device", "cuda", "--nproc", "2",
-                           "--sizes", "1K:256K", "--factor", "256", "--dtypes", "float32,bfloat16", "--ops", "sum,avg",
+                           "--sizes", "1K:256K", "--factor", "256", "--dtypes", "float32", "--ops", "sum,avg",
                            "--iters", "2", "--warmup", "1", "--max-bytes", "64K", "--graph-max-bytes", "1K",
                            "--json", str(out)],
                           cwd=tmp_path, env=emulated_env, capture_output=True, text=True, timeout=900)
@@ -148,4 +163,4 @@ def test_compare_nccl_runs_the_gpu_path_on_the_emulation(emulated_env, tmp_path)
     report = json.loads(out.read_text())
     assert report["machine"]["emulated"] is True
     rows = report["rows"]
-    assert len(rows) == 2 * 2 * 2 * 3 and all(r["wrong"] == 0 and r["backend"] == "cuda" for r in rows), rows
+    assert len(rows) == 2 * 2 * 3 and all(r["wrong"] == 0 and r["backend"] == "cuda" for r in rows), rows

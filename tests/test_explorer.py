@@ -1,10 +1,14 @@
 """The seeded lifecycle explorer (tests/explorer.py) on the CPU engine, in CI:
 fixed seeds at 2, 3 and 4 ranks, under a minute in all on the 2-core
 VM. PYALLREDUCE_EXPLORER_SEEDS="first:count" runs more seeds (each at 2
-ranks) by hand. A failure names the seed and the steps that led to it."""
+ranks) by hand. A failure names the seed and the steps that led to it.
+
+On CUDA communicators (CudaExplorer): on a GPU, and in CI on the emulated
+runtime's two devices (tests/test_cuda_emulated.py runs this file there)."""
 import os
 
 import pytest
+import torch
 
 from explorer import explore
 from launch import run_ranks
@@ -26,3 +30,16 @@ def test_explorer(world, seed, steps):
     assert all(t == taken[0] for t in taken), "the ranks took different steps"
     assert taken[0][-1] == "end" and len(taken[0]) == steps + 1
     assert leaked_segments() == [], "shared-memory segments left in /dev/shm"
+
+
+# (seed, steps) at 2 ranks, 10 to 20 s each on the emulated runtime.
+CUDA_RUNS = [(0, 30), (2, 30), (3, 30), (5, 30)]
+
+
+@pytest.mark.parametrize("seed,steps", CUDA_RUNS)
+def test_cuda_explorer(seed, steps):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (tests/test_cuda_emulated.py runs this on the emulated runtime)")
+    taken = run_ranks(explore, 2, seed, steps, "cuda", timeout=600)
+    assert taken[0] == taken[1], "the ranks took different steps"
+    assert taken[0][-1] == "end" and len(taken[0]) == steps + 1

@@ -3,10 +3,16 @@ ranks sharing a GPU (issue: MPS, several ranks per GPU)."""
 import pytest
 
 from pyallreduce.policy import resident_nblocks
+from reference import triton_kernels_unusable
 
 pytestmark = pytest.mark.quick
 
 H100 = 132  # SMs; the kernels (512 threads, __launch_bounds__(512, 1)) fit one block per SM
+
+
+# The Triton engine's tests run its kernels under the interpreter.
+_TRITON_UNUSABLE = triton_kernels_unusable(interpret=True)
+needs_triton_interpreter = pytest.mark.skipif(_TRITON_UNUSABLE is not None, reason=str(_TRITON_UNUSABLE))
 
 
 def test_one_rank_per_gpu_keeps_the_requested_grid():
@@ -81,6 +87,7 @@ def _shared_gpu_rank(rank, world, capacity):
         return comm.nblocks, logged
 
 
+@needs_triton_interpreter
 def test_ranks_sharing_a_gpu_launch_the_bounded_grid_on_every_rank():
     from launch import run_ranks
 
@@ -128,6 +135,7 @@ def _communicators_sharing_a_gpu_rank(rank, world):
     return grids, d_error, logged
 
 
+@needs_triton_interpreter
 def test_blocks_of_live_communicators_bound_the_next_ones_grid_and_closing_frees_them():
     from launch import run_ranks
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launch import run_ranks
-from reference import DTYPES, fp32_reduction, random_input
+from reference import DTYPES, fp32_reduction, random_input, triton_kernels_unusable
 
 MAX_BYTES = 64 << 10  # small: merged rounds are then several, as are 256 KiB rounds at the larger sizes
 TIMEOUT = 240
@@ -210,4 +210,6 @@ def check_gpu_chunking_on_triton(rank, world):
 
 
 def test_gpu_backends_split_calls_larger_than_staging():
+    if (why := triton_kernels_unusable(interpret=True)) is not None:
+        pytest.skip(why)
     run_ranks(check_gpu_chunking_on_triton, 2, env={"TRITON_INTERPRET": "1"}, timeout=TIMEOUT)

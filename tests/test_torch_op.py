@@ -168,7 +168,9 @@ def compiled_in_a_loop(rank, world):
     n = world * 700
     fn(exact_input(n, rank, torch.float32))
     torch._dynamo.config.error_on_recompile = True
-    for i in range(2 * torch._dynamo.config.recompile_limit):
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None) or config.cache_size_limit  # its name in older torch
+    for i in range(2 * limit):
         x = exact_input(n, rank, torch.float32, salt=i)
         total, gathered = fn(x)
         want = exact_sum(n, world, torch.float32, salt=i)

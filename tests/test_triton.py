@@ -26,7 +26,11 @@ import torch
 import torch.distributed as dist
 
 from launch import own_segments_mapped, raises_when_a_watchdog_aborts, run_ranks
-from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input
+from reference import DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input, \
+    triton_kernels_unusable
+
+if (_why := triton_kernels_unusable(interpret=True)) is not None:
+    pytest.skip(_why, allow_module_level=True)
 
 MAX_BYTES = 64 << 10
 # Triton needs TRITON_INTERPRET before the kernels are decorated: the children
@@ -244,10 +248,11 @@ def reduced_chunks(rank, world, nblocks):
 # Several programs matter: owners by program rounds (rank (c / nblocks) % W,
 # the mapping before issue 13 item 4) balance only at nblocks 1, and give rank
 # 0 every chunk of a call below nblocks chunks. nblocks 8 has calls of W + 1
-# chunks (more than a group, fewer than the programs) for W 3 and 4, as the
-# default grid (32) has, at a quarter of its interpreter time.
+# chunks (more than a group, fewer than the programs) for W 3, as the default
+# grid (32) has, at a quarter of its interpreter time (W 4 at nblocks 8 took
+# 30 s of CI's 2 cores and adds no case the others lack).
 @pytest.mark.quick
-@pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (3, 8), (4, 3), (4, 8)])
+@pytest.mark.parametrize("world,nblocks", [(2, 3), (3, 1), (3, 8), (4, 3)])
 def test_two_shot_spreads_the_reduction_evenly_over_the_ranks(world, nblocks):
     results = run_ranks(reduced_chunks, world, nblocks, timeout=300, env=ENV)
     chunk = chunk_elems(torch.float32)

@@ -31,6 +31,11 @@ from pathlib import Path
 
 import pytest
 
+from reference import triton_kernels_unusable
+
+if (_why := triton_kernels_unusable(interpret=False)) is not None:
+    pytest.skip(_why, allow_module_level=True)
+
 TARGETS = (80, 90, 100)
 DTYPES = ("fp32", "fp16", "bf16")
 WORLD_SIZE = 8  # the most peers: the most registers

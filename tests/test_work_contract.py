@@ -19,7 +19,7 @@ import torch.distributed as dist
 import pyallreduce
 
 if not hasattr(pyallreduce._C, "ServingBackend"):
-    pytest.skip(f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})",
+    pytest.skip(f"the torch.distributed backend needs torch >= 2.9 (this is {torch.__version__})",
                 allow_module_level=True)
 from launch import run_ranks
 from work_contract import assert_failed, assert_succeeded, observe, plain

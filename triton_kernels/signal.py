@@ -32,28 +32,22 @@ after the start barrier are stable by then.
 import os
 import time
 
-import numpy as np
 import triton
 import triton.language as tl
 
 from pyallreduce import _C
 
+from pyallreduce import triton_requirements as requirements
 from .status import (CODE_ABORTED, CODE_DEADLINE, CODE_MISMATCH, START_BARRIER, STATUS_ABORTED, STATUS_BARRIER,
                      STATUS_CALL64, STATUS_CODE, STATUS_DESCS64, STATUS_EPOCH, STATUS_GENERATION, STATUS_LAST_CALL64,
                      STATUS_MISMATCHES, STATUS_MISSING, STATUS_PROGRAM)
 
 
-def _version(text):
-    """(major, minor) of a version string such as "3.6.0" or "2.4.0rc1"."""
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])
-
-
+if (_why := requirements.triton_too_old()) is not None:
+    raise ImportError(f"pyallreduce: {_why}")
 INTERPRET = bool(triton.knobs.runtime.interpret)
-if INTERPRET and _version(triton.__version__) < (3, 8) and _version(np.__version__) >= (2, 4):
-    # Seen with Triton 3.6: its interpreter turns a one-element array into an
-    # index with int(), which numpy 2.4 refuses ("only 0-dimensional arrays").
-    raise ImportError(f"pyallreduce: the Triton interpreter (TRITON_INTERPRET=1) of Triton {triton.__version__} "
-                      f"cannot run these kernels with numpy {np.__version__}: use Triton >= 3.8 or numpy < 2.4")
+if INTERPRET and (_why := requirements.interpreter_unusable()) is not None:
+    raise ImportError(f"pyallreduce: {_why}")
 _INTERPRET = tl.constexpr(INTERPRET)
 
 # Region layout: the numbers of protocol.h, through pyallreduce._C.

@@ -151,7 +151,8 @@ int64_t ipc_open(int device, const std::string& bytes) {
   DeviceScope scope(device);
   void* ptr = nullptr;
   check_cuda(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess),
-             "cudaIpcOpenMemHandle (is the peer on this host, with its GPU visible here?)");
+             "cudaIpcOpenMemHandle (is the peer on this host, its GPU a peer of this one? CUDA lets one GPU "
+             "of a process open a given peer GPU's handles: did this process open them on another of its GPUs?)");
   return reinterpret_cast<int64_t>(ptr);
 }
 

@@ -164,9 +164,14 @@ def _check_peers(index, bus, rank, facts):
             if peer_bus is None:
                 return f"rank {q} could not identify its GPU"
             peer = _C.cuda_device_by_pci_bus_id(peer_bus)
-            if peer < 0:
-                return f"rank {rank} cannot see rank {q}'s GPU {peer_bus} (CUDA_VISIBLE_DEVICES?)"
-            if not _C.cuda_can_access_peer(index, peer):
+            # A peer's GPU this process cannot see (CUDA_VISIBLE_DEVICES per
+            # process, as SLURM, Kubernetes and Ray launch) has no ordinal
+            # here for CUDA's peer query. Legacy IPC opens its handles all the
+            # same ("cudaIpcOpenMemHandle can open handles to devices that may
+            # not be visible in the process calling the API"), only where the
+            # two GPUs are peers: NVML, which sees every GPU, and the IPC probe
+            # after this judge it.
+            if peer >= 0 and not _C.cuda_can_access_peer(index, peer):
                 return f"GPU {bus} (rank {rank}) cannot access GPU {peer_bus} (rank {q}) as a peer"
             if _nvlink_connected(bus, peer_bus) is False:
                 return f"GPUs {bus} (rank {rank}) and {peer_bus} (rank {q}) are not connected by NVLink"

@@ -58,10 +58,47 @@ namespace {
 
 constexpr int kMaxDevices = 16;
 
-int device_count() {
+// The emulated machine's GPUs (PYALLREDUCE_EMULATED_DEVICES, default 1), and
+// the ones this process sees: CUDA_VISIBLE_DEVICES as CUDA reads it, once per
+// process, a list of indices that ends at the first one that is not a device
+// ("if one of the indices is invalid, only the devices whose index precedes
+// the invalid index are visible", CUDA Programming Guide, "CUDA Environment
+// Variables"). Ordinals, what every runtime call takes, number the visible
+// GPUs; bus ids name the machine's, so a peer's GPU that this process cannot
+// see has a bus id that no ordinal here has.
+int machine_device_count() {
   const char* n = std::getenv("PYALLREDUCE_EMULATED_DEVICES");
   return n != nullptr ? std::min(std::atoi(n), kMaxDevices) : 1;
 }
+
+const std::vector<int>& visible_devices() {
+  // Read at the first call of each process: ranks fork from a server that
+  // never calls CUDA, and set the variable before their first call.
+  static pid_t read_by = 0;
+  static std::vector<int> visible;
+  if (read_by != getpid()) {
+    visible.clear();
+    const int n = machine_device_count();
+    const char* list = std::getenv("CUDA_VISIBLE_DEVICES");
+    for (int d = 0; list == nullptr && d < n; ++d) visible.push_back(d);
+    for (const char* p = list; p != nullptr && *p != '\0';) {
+      char* end = nullptr;
+      const long d = std::strtol(p, &end, 10);
+      if (end == p || d < 0 || d >= n || std::find(visible.begin(), visible.end(), int(d)) != visible.end()) break;
+      visible.push_back(int(d));
+      if (*end != ',') break;
+      p = end + 1;
+    }
+    read_by = getpid();
+  }
+  return visible;
+}
+
+int device_count() { return int(visible_devices().size()); }
+
+// The machine's index of ordinal d (valid here), and its PCI bus number.
+int machine_device(int d) { return visible_devices()[size_t(d)]; }
+int pci_bus(int d) { return machine_device(d) + 1; }
 
 thread_local int current_device = 0;
 
@@ -151,6 +188,13 @@ uint64_t allocations_made = 0;  // under memory_mutex
 std::mutex memory_mutex;
 std::map<uintptr_t, Allocation> allocations;  // by base address
 std::map<std::pair<int64_t, uint64_t>, uintptr_t> opened_handles;  // (owner pid, serial) -> the mapping's base
+// cudaIpcOpenMemHandle: "cudaIpcMemHandles from each device in a given process
+// may only be opened by one context per device per other process". Which
+// context may is not documented beyond that; here the first to open one keeps
+// the right for the life of the process (primary contexts are never
+// destroyed), the strictest reading. (owner pid, owner's GPU) -> the ordinal
+// of the device whose context opened its handles, under memory_mutex.
+std::map<std::pair<int64_t, int64_t>, int> importing_devices;
 
 // The allocation holding p, or allocations.end().
 std::map<uintptr_t, Allocation>::iterator find_allocation(const void* p) {
@@ -467,6 +511,7 @@ struct Handle {
   int64_t fd;
   uint64_t size;
   uint64_t serial;  // the allocation's number in its process: an fd number is reused, an allocation is not
+  int64_t device;   // the machine's index of the GPU it lies on (machine_device)
 };
 constexpr uint64_t kHandleMagic = 0x707961725f697063ull;  // "pyar_ipc"
 static_assert(sizeof(Handle) <= sizeof(cudaIpcMemHandle_t));
@@ -598,7 +643,7 @@ cudaError_t cudaRuntimeGetVersion(int* v) {
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
   std::memset(p, 0, sizeof(*p));
-  std::snprintf(p->name, sizeof(p->name), "Emulated GPU %d", d);
+  std::snprintf(p->name, sizeof(p->name), "Emulated GPU %d", machine_device(d));
   p->major = 9;
   p->minor = 0;
   p->multiProcessorCount = 8;
@@ -612,7 +657,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   p->regsPerBlock = 65536;
   p->regsPerMultiprocessor = 65536;
   p->l2CacheSize = 50 << 20;
-  p->pciBusID = d + 1;
+  p->pciBusID = pci_bus(d);
   p->unifiedAddressing = 1;
   p->canMapHostMemory = 1;
   p->maxGridSize[0] = 0x7fffffff;
@@ -646,17 +691,21 @@ cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int d) {
 
 cudaError_t cudaDeviceGetPCIBusId(char* id, int len, int d) {
   if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
-  std::snprintf(id, size_t(len), "0000:%02x:00.0", d + 1);
+  std::snprintf(id, size_t(len), "0000:%02x:00.0", pci_bus(d));
   return cudaSuccess;
 }
 
+// A GPU this process cannot see has no ordinal: cudaErrorInvalidDevice.
 cudaError_t cudaDeviceGetByPCIBusId(int* d, const char* id) {
   unsigned domain = 0, bus = 0;
-  if (std::sscanf(id, "%x:%x", &domain, &bus) != 2 || int(bus) < 1 || int(bus) > device_count()) {
-    return fail(cudaErrorInvalidDevice);
+  if (std::sscanf(id, "%x:%x", &domain, &bus) != 2) return fail(cudaErrorInvalidDevice);
+  for (int ordinal = 0; ordinal < device_count(); ++ordinal) {
+    if (pci_bus(ordinal) == int(bus)) {
+      *d = ordinal;
+      return cudaSuccess;
+    }
   }
-  *d = int(bus) - 1;
-  return cudaSuccess;
+  return fail(cudaErrorInvalidDevice);
 }
 
 cudaError_t cudaDeviceCanAccessPeer(int* can, int d, int peer) {
@@ -876,7 +925,8 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   // base of an existing device memory allocation").
   if (it == allocations.end() || it->second.kind != Kind::kDevice) return fail(cudaErrorInvalidValue);
   std::memset(handle, 0, sizeof(*handle));
-  const Handle h{kHandleMagic, int64_t(getpid()), it->second.fd, it->second.size, it->second.serial};
+  const Handle h{kHandleMagic, int64_t(getpid()), it->second.fd, it->second.size, it->second.serial,
+                 machine_device(it->second.device)};
   std::memcpy(handle, &h, sizeof(h));
   return cudaSuccess;
 }
@@ -890,6 +940,7 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
   // that created it" (cudaErrorDeviceUninitialized on real drivers).
   if (h.pid == int64_t(getpid())) return fail(cudaErrorDeviceUninitialized);
   if (injected_failure("cudaIpcOpenMemHandle")) return fail(cudaErrorMapBufferObjectFailed);
+  const int device = context_device();
   {
     // "If the memory handle has already been opened by the current context, the
     // reference count on the handle is incremented by 1 and the existing device
@@ -897,6 +948,13 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
     // decrements it and unmaps at zero. So a handle opened twice and closed once
     // stays mapped: peer_mappings() below lets a test see that.
     std::lock_guard<std::mutex> lock(memory_mutex);
+    // The error a real driver returns for this is not documented either.
+    auto importing = importing_devices.find({h.pid, h.device});
+    if (importing != importing_devices.end() && importing->second != device) {
+      note("cudaIpcOpenMemHandle(pid %lld, its GPU %lld) on device %d: device %d's context opened its handles",
+           static_cast<long long>(h.pid), static_cast<long long>(h.device), device, importing->second);
+      return fail(cudaErrorInvalidResourceHandle);
+    }
     auto open = opened_handles.find({h.pid, h.serial});
     if (open != opened_handles.end()) {
       ++allocations.at(open->second).opens;
@@ -909,8 +967,8 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
                 static_cast<long long>(h.fd));
   const int fd = open(path, O_RDWR | O_CLOEXEC);
   if (fd < 0) return fail(cudaErrorMapBufferObjectFailed);
-  const int device = context_device();
   std::lock_guard<std::mutex> lock(memory_mutex);
+  importing_devices.emplace(std::make_pair(h.pid, h.device), device);
   const Mapping m = map_device_memory(fd, h.size, new_mapping_prot(device));
   close(fd);
   if (m.base == nullptr) return fail(cudaErrorMapBufferObjectFailed);

@@ -366,6 +366,68 @@ std::string ipc_opens_are_reference_counted() {
   return why;
 }
 
+// CUDA_VISIBLE_DEVICES (CUDA Programming Guide, "CUDA Environment Variables"):
+// the ordinals number the visible GPUs alone, and cudaDeviceGetByPCIBusId
+// finds no other; legacy IPC still opens a handle of a GPU the process cannot
+// see ("cudaIpcOpenMemHandle can open handles to devices that may not be
+// visible in the process calling the API"). The child sees GPU 1 only; the
+// handle is of GPU 0.
+std::string visible_devices_hide_gpus_but_not_their_ipc_handles() {
+  cudaSetDevice(0);
+  void* p = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaIpcMemHandle_t handle;
+  cudaIpcGetMemHandle(&handle, p);
+  char gpu0[32] = {};
+  cudaDeviceGetPCIBusId(gpu0, sizeof(gpu0), 0);
+  const std::string why = child_steps(
+      [&] {
+        setenv("CUDA_VISIBLE_DEVICES", "1", 1);
+        int n = 0, d = -1;
+        char bus[32] = {};
+        void* a = nullptr;
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n != 1) _exit(2);
+        if (cudaDeviceGetPCIBusId(bus, sizeof(bus), 0) != cudaSuccess || std::strcmp(bus, gpu0) == 0) _exit(3);
+        if (cudaDeviceGetByPCIBusId(&d, gpu0) != cudaErrorInvalidDevice) _exit(4);
+        cudaGetLastError();
+        if (cudaIpcOpenMemHandle(&a, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(5);
+        if (cudaIpcCloseMemHandle(a) != cudaSuccess) _exit(6);
+      },
+      "2 not one device, 3 ordinal 0 has GPU 0's bus id, 4 GPU 0's bus id has an ordinal, 5 open, 6 close");
+  cudaFree(p);
+  return why;
+}
+
+// cudaIpcOpenMemHandle: "cudaIpcMemHandles from each device in a given process
+// may only be opened by one context per device per other process": once device
+// 0's context opened a handle of the parent's GPU 0, device 1's may not open
+// one (another allocation's too); device 0's still may.
+std::string ipc_handles_of_a_gpu_open_in_one_context() {
+  cudaSetDevice(0);
+  void *p = nullptr, *q = nullptr;
+  cudaMalloc(&p, 4096);
+  cudaMalloc(&q, 4096);
+  cudaIpcMemHandle_t hp, hq;
+  cudaIpcGetMemHandle(&hp, p);
+  cudaIpcGetMemHandle(&hq, q);
+  const std::string why = child_steps(
+      [&] {
+        void *a = nullptr, *b = nullptr;
+        cudaSetDevice(0);
+        if (cudaIpcOpenMemHandle(&a, hp, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(2);
+        cudaSetDevice(1);
+        if (cudaIpcOpenMemHandle(&b, hq, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess) _exit(3);
+        cudaGetLastError();
+        cudaSetDevice(0);
+        if (cudaIpcOpenMemHandle(&b, hq, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) _exit(4);
+        if (cudaIpcCloseMemHandle(a) != cudaSuccess || cudaIpcCloseMemHandle(b) != cudaSuccess) _exit(5);
+      },
+      "2 open on device 0, 3 device 1 opened it too, 4 a second open on device 0, 5 close");
+  cudaFree(p);
+  cudaFree(q);
+  return why;
+}
+
 // cudaEventElapsedTime: "If cudaEventRecord() has not been called on either
 // event, then cudaErrorInvalidResourceHandle is returned"; between two
 // completed events in stream order, a time >= 0.
@@ -506,6 +568,8 @@ int main() {
       {"free_of_an_interior_pointer_fails_and_the_error_clears", free_of_an_interior_pointer_fails_and_the_error_clears},
       {"ipc_exports_device_memory_and_not_to_itself", ipc_exports_device_memory_and_not_to_itself},
       {"ipc_opens_are_reference_counted", ipc_opens_are_reference_counted},
+      {"visible_devices_hide_gpus_but_not_their_ipc_handles", visible_devices_hide_gpus_but_not_their_ipc_handles},
+      {"ipc_handles_of_a_gpu_open_in_one_context", ipc_handles_of_a_gpu_open_in_one_context},
       {"elapsed_time_needs_recorded_events", elapsed_time_needs_recorded_events},
       {"legacy_stream_query_beside_a_blocking_capture", legacy_stream_query_beside_a_blocking_capture},
       {"a_kernel_reads_only_its_devices_memory", a_kernel_reads_only_its_devices_memory},
