@@ -14,7 +14,8 @@ from .logs import log_once, logger
 try:  # registers the "pyallreduce" torch.distributed backend
     from . import backend  # noqa: F401
 except (AttributeError, TypeError) as e:  # a torch older than 2.9: csrc/backend.cpp builds no ServingBackend
-    log_once(f"the torch.distributed backend 'pyallreduce' is not available with torch {torch.__version__}: {e}")
+    log_once(f"the torch.distributed backend 'pyallreduce' needs torch >= 2.9, this is {torch.__version__} ({e}); "
+             "the Communicator, the ops and the DDP hook work without it")
 else:
     logger.info("pyallreduce: the torch.distributed backend 'pyallreduce' serves eager calls in C++ "
                 "(csrc/backend.cpp), torch %s", torch.__version__)
