@@ -17,7 +17,8 @@
 // Built for torch 2.9 and later: the first whose c10d::Backend and Work have
 // every method overridden here (shutdown and abort came in 2.7,
 // getFutureResult in 2.6, blockCurrentStream in 2.9, read off the headers of
-// 2.4.1 to 2.12.1); tested on 2.11, 2.13, 2.14 and 2.15. With an older torch
+// 2.4.1 to 2.12.1; this file compiles against those of 2.9.1, 2.10.0 and
+// 2.12.1); tested on 2.11, 2.13, 2.14 and 2.15. With an older torch
 // the module has no ServingBackend and pyallreduce's import logs that the
 // backend is missing: the Communicator, the op and the DDP hook do not need
 // it. Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
