@@ -1480,8 +1480,10 @@ def test_each_process_sees_only_its_own_gpu():
     gpus = torch.cuda.device_count()
     if gpus < 2 or not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("needs two GPUs with peer access (the emulation has two: tests/emulated/build_emulated.py)")
+    # The GPUs this process sees, by the names CUDA_VISIBLE_DEVICES gives them (if set).
+    names = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")[:gpus]
     run_ranks(check_each_process_sees_only_its_own_gpu, 2, timeout=RUN_TIMEOUT,
-              rank_env=[{"CUDA_VISIBLE_DEVICES": str(rank % gpus)} for rank in range(2)])
+              rank_env=[{"CUDA_VISIBLE_DEVICES": names[rank % gpus]} for rank in range(2)])
 
 
 def test_runtime_failures_on_one_rank():
