@@ -73,10 +73,14 @@ int machine_device_count() {
 
 const std::vector<int>& visible_devices() {
   // Read at the first call of each process: ranks fork from a server that
-  // never calls CUDA, and set the variable before their first call.
-  static pid_t read_by = 0;
+  // never calls CUDA, and set the variable before their first call. Written
+  // once per process, under the mutex; read without it after.
+  static std::atomic<pid_t> read_by{0};
+  static std::mutex reading;
   static std::vector<int> visible;
-  if (read_by != getpid()) {
+  if (read_by.load(std::memory_order_acquire) == getpid()) return visible;
+  std::lock_guard<std::mutex> lock(reading);
+  if (read_by.load(std::memory_order_relaxed) != getpid()) {
     visible.clear();
     const int n = machine_device_count();
     const char* list = std::getenv("CUDA_VISIBLE_DEVICES");
@@ -89,7 +93,7 @@ const std::vector<int>& visible_devices() {
       if (*end != ',') break;
       p = end + 1;
     }
-    read_by = getpid();
+    read_by.store(getpid(), std::memory_order_release);
   }
   return visible;
 }
