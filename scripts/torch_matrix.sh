@@ -12,8 +12,8 @@
 # 2.11.0 2.4.1" runs those rows instead (by hand: each downloads PyPI's CUDA
 # build of torch, 2.5-4 GB with its CUDA libraries, and takes 8-12 minutes on
 # 2 cores, which CI's 30 minutes cannot hold). numpy < 2.4 with Triton < 3.8:
-# Triton 3.6's interpreter cannot run with numpy 2.4 (triton_kernels/signal.py
-# says so at import).
+# Triton 3.6's interpreter cannot run with numpy 2.4 (importing the kernels
+# says so: pyallreduce/triton_requirements.py).
 #
 # The machine's pip caps torch at 2.14.1 with a constraints file users do not
 # have: the rows install with PIP_CONSTRAINT=/dev/null (an empty one; an
