@@ -14,14 +14,14 @@
 // its context with its crossover row (set_fast) only when its eager calls go
 // direct.
 //
-// Built for torch 2.9 and later: the first whose c10d::Backend and Work have
-// every method overridden here (shutdown and abort came in 2.7,
-// getFutureResult in 2.6, blockCurrentStream in 2.9, read off the headers of
-// 2.4.1 to 2.12.1; this file compiles against those of 2.9.1, 2.10.0 and
-// 2.12.1); tested on 2.11, 2.13, 2.14 and 2.15. With an older torch
-// the module has no ServingBackend and pyallreduce's import logs that the
-// backend is missing: the Communicator, the op and the DDP hook do not need
-// it. Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
+// The serving backend is built for torch 2.9 and later: the first whose
+// c10d::Backend and Work have every method overridden here (shutdown and
+// abort came in 2.7, getFutureResult in 2.6, blockCurrentStream in 2.9, read
+// off the headers of 2.4.1 to 2.12.1; this file compiles against those of
+// 2.9.1, 2.10.0 and 2.12.1); tested on 2.11, 2.13, 2.14 and 2.15. With an
+// older torch the module has FinishedWork alone (for the methods that torch
+// has) and backend.py serves every call in Python, on a Python ProcessGroup.
+// Where torch's c10d::Backend differs (TORCH_2_14 below): 2.14 renamed
 // the tensor collectives (all_gather_single for _allgather_base, ...; the old
 // names stay as aliases that forward to the new ones) and gave a Backend a
 // PyObject slot.
@@ -29,11 +29,9 @@
 
 #include "backend.h"
 
-#define PYALLREDUCE_SERVING_BACKEND (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9))
-#if !PYALLREDUCE_SERVING_BACKEND
-void pyallreduce::bind_backend(pybind11::module_&) {}
-#else
-#define TORCH_2_14 (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14)
+#define TORCH_AT_LEAST_2(minor) (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= (minor))
+#define PYALLREDUCE_SERVING_BACKEND TORCH_AT_LEAST_2(9)
+#define TORCH_2_14 TORCH_AT_LEAST_2(14)
 #include <pybind11/chrono.h>  // BarrierOptions::timeout as a datetime.timedelta
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -132,28 +130,24 @@ class FinishedWork : public c10d::Work {
     future_->waitAndThrow();
     return true;
   }
+#if TORCH_AT_LEAST_2(9)
   void blockCurrentStream() override { future_->wait(); }
+#endif
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+#if TORCH_AT_LEAST_2(6)
   c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override {
     auto code = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
     code->markCompleted(c10::IValue(static_cast<int64_t>(
         future_->hasError() ? c10d::WorkResult::COMM_ERROR : c10d::WorkResult::SUCCESS)));
     return code;
   }
+#endif
 
  private:
   std::vector<at::Tensor> result_;
   std::optional<c10::Event> done_;  // CUDA, not captured: recorded after the kernel
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
-
-c10::intrusive_ptr<c10d::Work> issued(const at::Tensor& result, std::exception_ptr error) {
-  std::optional<c10::Device> stream_device;
-#ifdef PYALLREDUCE_WITH_CUDA
-  if (result.is_cuda() && !cuda_current_stream_capturing(result.get_device())) stream_device = result.device();
-#endif
-  return c10::make_intrusive<FinishedWork>(std::vector<at::Tensor>{result}, std::move(error), stream_device);
-}
 
 // A Python exception as a C++ one that torch turns back into the same Python
 // object (type, message, traceback) each time it is raised again: wait(), the
@@ -165,6 +159,15 @@ std::exception_ptr as_exception_ptr(py::handle error) {
   python_error e;
   e.persist();
   return std::make_exception_ptr(std::move(e));
+}
+
+#if PYALLREDUCE_SERVING_BACKEND
+c10::intrusive_ptr<c10d::Work> issued(const at::Tensor& result, std::exception_ptr error) {
+  std::optional<c10::Device> stream_device;
+#ifdef PYALLREDUCE_WITH_CUDA
+  if (result.is_cuda() && !cuda_current_stream_capturing(result.get_device())) stream_device = result.device();
+#endif
+  return c10::make_intrusive<FinishedWork>(std::vector<at::Tensor>{result}, std::move(error), stream_device);
 }
 
 // The communicators this thread is inside (a served call, a construction, a
@@ -434,6 +437,7 @@ class ServingBackend : public c10d::Backend {
   std::atomic<uint64_t> sequence_{0};  // collectives issued (getSequenceNumberForGroup)
 };
 
+#endif  // PYALLREDUCE_SERVING_BACKEND
 }  // namespace
 
 void bind_backend(pybind11::module_& m) {
@@ -448,6 +452,7 @@ void bind_backend(pybind11::module_& m) {
       "The Work of a call the backend ran: result (its output tensors) or error (the exception its wait() "
       "raises); stream_device: the CUDA device on whose current stream its kernels were enqueued, which the "
       "Work then follows (csrc/backend.cpp FinishedWork)");
+#if PYALLREDUCE_SERVING_BACKEND
   py::class_<ServingBackend::Scope>(m, "_ServingScope")
       .def("__enter__", [](ServingBackend::Scope& s) { s.enter(); })
       .def("__exit__", [](ServingBackend::Scope& s, py::args) {
@@ -488,7 +493,7 @@ void bind_backend(pybind11::module_& m) {
       .def("_is_serving", &ServingBackend::serving)
       .def_property_readonly("fast_calls", &ServingBackend::fast_calls,
                              "how many calls the C++ fast path has served");
+#endif  // PYALLREDUCE_SERVING_BACKEND
 }
 
 }  // namespace pyallreduce
-#endif  // PYALLREDUCE_SERVING_BACKEND

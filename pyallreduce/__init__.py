@@ -8,17 +8,17 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the torch.ops.pyallreduce schemas and kernels)
+from . import backend  # registers the "pyallreduce" torch.distributed backend
 from . import ddp
 from .logs import log_once, logger
 
-try:  # registers the "pyallreduce" torch.distributed backend
-    from . import backend  # noqa: F401
-except (AttributeError, TypeError) as e:  # a torch older than 2.9: csrc/backend.cpp builds no ServingBackend
-    log_once(f"the torch.distributed backend 'pyallreduce' needs torch >= 2.9, this is {torch.__version__} ({e}); "
-             "the Communicator, the ops and the DDP hook work without it")
-else:
+if backend.SERVES_IN_CPP:
     logger.info("pyallreduce: the torch.distributed backend 'pyallreduce' serves eager calls in C++ "
                 "(csrc/backend.cpp), torch %s", torch.__version__)
+else:
+    log_once(f"the torch.distributed backend 'pyallreduce' serves every call in Python with torch "
+             f"{torch.__version__} (its C++ serving path needs torch >= 2.9): the same results, a few "
+             "microseconds slower per call")
 from .communicator import DEFAULT_TIMEOUT, Communicator
 
 __version__ = "0.1.0"

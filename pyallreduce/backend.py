@@ -38,8 +38,16 @@ reduce_scatter_tensor or all_gather_into_tensor that fits its kernels runs
 there, in C++, without entering Python (torch's Python trampoline alone costs
 more than such a call); everything else comes to the methods below. The turn
 and the per-thread "serving" mark live in C++, where that fast path reads them.
+
+torch before 2.9 has no c10d::Backend that the C++ half can be built on. There
+the class derives from _PythonProcessGroup instead: a Python ProcessGroup
+(torch's Python-backend API of those versions, where a creator's
+ProcessGroup is the group itself), with the turn and the mark in Python and
+every call served by the methods below: the same results and errors, a few
+microseconds slower per call.
 """
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -103,7 +111,86 @@ def _finished(result, error=None, device=None):
     return _C.finished_work(result, error, device if follows else None)
 
 
-class PyallreduceBackend(_C.ServingBackend):
+class _PythonProcessGroup(dist.ProcessGroup):
+    """What csrc/backend.cpp's ServingBackend gives PyallreduceBackend, in
+    Python, for torch < 2.9. Its method names are torch's of those versions
+    (_allgather_base, ...): both its Python callers and its C++ trampoline
+    (DDP's reducer) call them."""
+
+    fast_calls = 0  # no C++ fast path
+
+    def __init__(self, rank, size, name):
+        super().__init__(rank, size)
+        self._name = name
+        self._group_name = None
+        self._turn = threading.Lock()
+        self._turn_holder = None  # the thread ident holding the turn
+        self._serving = threading.local()  # .depth: how deep this thread is inside served calls
+
+    def getBackendName(self):
+        return self._name
+
+    # The group's name, which torch keeps on a ProcessGroup's C++ backends, of
+    # which a Python one has none ("ProcessGroup name not set" for DTensor and
+    # the functional collectives).
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def _is_serving(self):
+        return getattr(self._serving, "depth", 0) > 0
+
+    def _scope(self, turn, serve):
+        return _PythonScope(self, turn, serve)
+
+    def _keep_python_object(self):
+        pass  # torch holds this object itself
+
+    _drop_python_object = _keep_python_object
+
+    def _set_fast(self, *args):
+        pass
+
+    _clear_fast = _keep_python_object
+
+
+class _PythonScope:
+    """ServingBackend::Scope (csrc/backend.cpp), with its rules: the turn is not
+    recursive, and a thread that already holds it raises instead of waiting for itself."""
+
+    def __init__(self, group, turn, serve):
+        self._group, self._turn, self._serve = group, turn, serve
+
+    def __enter__(self):
+        group = self._group
+        if self._turn:
+            if group._turn_holder == threading.get_ident():
+                raise RuntimeError(
+                    "pyallreduce: this thread is inside a call of this process group (a signal handler or a "
+                    "finalizer interrupted it?), so it would wait for itself: call abort(), "
+                    "destroy_process_group() or the collective from another thread, or after the call returns")
+            group._turn.acquire()
+            group._turn_holder = threading.get_ident()
+        if self._serve:
+            group._serving.depth = getattr(group._serving, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        group = self._group
+        if self._serve:
+            group._serving.depth -= 1
+        if self._turn:
+            group._turn_holder = None
+            group._turn.release()
+        return False
+
+
+SERVES_IN_CPP = hasattr(_C, "ServingBackend")  # torch >= 2.9
+
+
+class PyallreduceBackend(_C.ServingBackend if SERVES_IN_CPP else _PythonProcessGroup):
     def __init__(self, store, rank, world_size, timeout, process_group):
         super().__init__(rank, world_size, NAME)
         self._keep_python_object()  # torch holds the C++ half only
@@ -231,6 +318,8 @@ class PyallreduceBackend(_C.ServingBackend):
         """The ProcessGroup torch made this backend for: handed to the creator
         from torch 2.14 on; before, found in torch's table of groups, where it
         is by the first call."""
+        if not SERVES_IN_CPP:
+            return self  # the group itself
         if self._group is None:
             for group in dist.distributed_c10d._world.pg_map:
                 for device in group._device_types:
@@ -261,7 +350,7 @@ class PyallreduceBackend(_C.ServingBackend):
             self._inner[device_type] = inner
         return inner
 
-    def _inner_call(self, name, why, *args):
+    def _inner_call(self, name, why, *args, **kwargs):
         """Backend method `name` of the inner backend for the arguments' device
         (gloo when they hold no CUDA tensor), logging `why` once per kind."""
         if why is not None and not self._is_serving():
@@ -272,7 +361,7 @@ class PyallreduceBackend(_C.ServingBackend):
             raise RuntimeError(f"pyallreduce: {name} of this kind goes to the inner backend "
                                f"({inner.name()}), which torch {torch.__version__} does not offer from Python; "
                                "call the collective once per tensor")
-        return method(*args)
+        return method(*args, **kwargs)
 
     # ---- lifetime ------------------------------------------------------------
 
@@ -294,7 +383,8 @@ class PyallreduceBackend(_C.ServingBackend):
         would wait for that thread itself: the interrupts are done, and taking
         the turn raises, saying so."""
         for inner in list(self._inner.values()):
-            _logged(inner.abort, "aborting its inner backend")
+            if hasattr(inner, "abort"):  # gloo's since torch 2.7
+                _logged(inner.abort, "aborting its inner backend")
         for comm in list(self._comms.values()):
             comm._interrupt()
         with self._scope(turn=True, serve=False):
@@ -319,7 +409,8 @@ class PyallreduceBackend(_C.ServingBackend):
                 for comm in comms:
                     _logged(comm.close, "closing its communicator")
             for inner in self._inner.values():
-                _logged(inner.shutdown, "shutting down its inner backend")
+                if hasattr(inner, "shutdown"):  # gloo's since torch 2.7
+                    _logged(inner.shutdown, "shutting down its inner backend")
 
     def _end(self):
         """Marks the group ended (the caller holds the turn); returns the
@@ -354,8 +445,8 @@ def _device_type(args):
 
 
 def _delegate(name):
-    def method(self, *args):
-        return self._inner_call(name, "not served by pyallreduce", *args)
+    def method(self, *args, **kwargs):  # keywords: torch's Python callers before 2.9 (barrier(opts=...))
+        return self._inner_call(name, "not served by pyallreduce", *args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = "Served by the inner backend (gloo or NCCL)."
@@ -364,6 +455,46 @@ def _delegate(name):
 
 for _name in DELEGATED:
     setattr(PyallreduceBackend, _name, _delegate(_name))
+
+
+def _options_defaulted(method, options_type):
+    """`method`, its last argument (the options) made when the caller leaves it
+    out, as torch's Python functions do where the C++ signature has a default."""
+    def defaulted(self, *args):
+        if len(args) < method.__code__.co_argcount - 1:
+            args = (*args, options_type())
+        return method(self, *args)
+
+    defaulted.__name__, defaulted.__doc__ = method.__name__, method.__doc__
+    return defaulted
+
+
+if not SERVES_IN_CPP:  # the Python ProcessGroup: its Python callers call these directly
+    _c10d = torch._C._distributed_c10d  # AllgatherOptions is not re-exported by torch.distributed
+    for _options, _names in ((_c10d.AllreduceOptions, ("allreduce",)),
+                             (_c10d.AllreduceCoalescedOptions, ("allreduce_coalesced",)),
+                             (_c10d.ReduceScatterOptions,
+                              ("reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter")),
+                             (_c10d.AllgatherOptions,
+                              ("all_gather_single", "all_gather_single_coalesced", "allgather"))):
+        for _name in _names:
+            setattr(PyallreduceBackend, _name, _options_defaulted(getattr(PyallreduceBackend, _name), _options))
+    if not hasattr(dist.ProcessGroup, "shutdown"):
+        # torch < 2.7: destroy_process_group tells NCCL alone that a group ends
+        # (distributed_c10d._shutdown_backend); the communicators would stay
+        # mapped until the process exits. Told here too, after torch's own.
+        _torch_shutdown_backend = dist.distributed_c10d._shutdown_backend
+
+        def _shutdown_backend(pg):
+            _torch_shutdown_backend(pg)
+            if isinstance(pg, PyallreduceBackend):
+                pg.shutdown()
+
+        dist.distributed_c10d._shutdown_backend = _shutdown_backend
+    # torch's names before 2.14 (_INNER_NAMES and two more) for the methods above
+    for _name, _old_name in (*_INNER_NAMES.items(), ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+                             ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")):
+        setattr(PyallreduceBackend, _old_name, getattr(PyallreduceBackend, _name))
 
 
 def create_backend(opts, backend_options):

@@ -17,6 +17,13 @@ from . import _C, live, logs, policy
 from .protocol import host_id
 
 
+def backend_of(group, device):
+    """The backend that runs `group`'s collectives on `device`'s tensors. A
+    Python subclass of ProcessGroup (pyallreduce's backend before torch 2.9,
+    backend.py) has no backends per device: it runs them all itself."""
+    return group._get_backend(device) if type(group) is dist.ProcessGroup else group
+
+
 def gather(obj, group):
     """Collective: every rank's obj, in rank order."""
     out = [None] * dist.get_world_size(group)

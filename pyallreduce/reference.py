@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from . import _C, logs
 from .engines import stream_capturing
+from .group import backend_of
 from .protocol import COLLECTIVE_NAMES
 
 # torch >= 2.14 names the tensor forms *_single and warns on every call of the older names.
@@ -86,7 +87,7 @@ def check_capturable(device, group, reason):
     tensors on, not the group's name ("cpu:gloo,cuda:nccl", "pyallreduce")."""
     if not stream_capturing(device):
         return
-    backend = (group if group is not None else dist.group.WORLD)._get_backend(device).name()
+    backend = backend_of(group if group is not None else dist.group.WORLD, device).name()
     if backend not in CAPTURABLE_BACKENDS:
         raise RuntimeError(
             f"pyallreduce: this collective goes to torch.distributed ({reason}), and the group's backend "

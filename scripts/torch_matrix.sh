@@ -5,15 +5,16 @@
 # (so its objects never mix with .venv's build), and the tests of the four
 # faces of the product: the quick tier (the Communicator), then the
 # torch.distributed backend, the custom ops under torch.compile, the DDP hook
-# and the Work contract in full. CI runs it after scripts/test.sh.
+# and the Work contract in full. CI runs it beside scripts/test.sh (.ci/run).
 #
-# CI's row is torch 2.13.0, a CPU build on this machine's disk (/opt/wheels),
-# with Triton 3.6.0: installed in seconds. PYALLREDUCE_TORCH_ROWS="2.15.0
-# 2.11.0 2.4.1" runs those rows instead (by hand: each downloads PyPI's CUDA
-# build of torch, 2.5-4 GB with its CUDA libraries, and takes 8-12 minutes on
-# 2 cores, which CI's 30 minutes cannot hold). numpy < 2.4 with Triton < 3.8:
-# Triton 3.6's interpreter cannot run with numpy 2.4 (importing the kernels
-# says so: pyallreduce/triton_requirements.py).
+# CI's rows: the oldest torch supported (2.4.1: the backend as a Python
+# ProcessGroup, Triton 3.0), 2.13.0 (the C++ backend against c10d's names
+# before 2.14; a CPU build on this machine's disk, /opt/wheels, with Triton
+# 3.6.0) and the newest on PyPI (2.15.0). 2.4.1 and 2.15.0 come from PyPI
+# with their CUDA libraries (2.5-4 GB: about 1.5 minutes each to install
+# here); PYALLREDUCE_TORCH_ROWS="2.11.0" (or any row of EXTRAS) runs others.
+# numpy < 2.4 with Triton < 3.8: Triton 3.6's interpreter cannot run with
+# numpy 2.4 (importing the kernels says so: pyallreduce/triton_requirements.py).
 #
 # The machine's pip caps torch at 2.14.1 with a constraints file users do not
 # have: the rows install with PIP_CONSTRAINT=/dev/null (an empty one; an
@@ -32,7 +33,7 @@ declare -A EXTRAS=(
   [2.15.0]=""
 )
 ROWS=()
-for v in ${PYALLREDUCE_TORCH_ROWS:-2.13.0}; do
+for v in ${PYALLREDUCE_TORCH_ROWS:-2.4.1 2.13.0 2.15.0}; do
   [ -n "${EXTRAS[$v]+set}" ] || { echo "no row for torch $v: add its extras to EXTRAS" >&2; exit 2; }
   ROWS+=("$v|${EXTRAS[$v]}")
 done
@@ -44,6 +45,7 @@ for row in "${ROWS[@]}"; do
   dir=build/matrix/torch-$torch_version
   venv=$PWD/$dir/venv
   echo "== torch $torch_version ($extras)"
+  row_start=$SECONDS
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   # shellcheck disable=SC2086  # extras is a list of requirement specs
   "$venv/bin/python" -m pip install -q "torch==$torch_version" $extras pybind11 ninja pytest "setuptools>=77" wheel \
@@ -56,7 +58,7 @@ for row in "${ROWS[@]}"; do
   (cd "$dir/src" && "$venv/bin/python" -c "
 import torch, pyallreduce._C as C
 assert torch.__version__.split('+')[0] == '$torch_version', f'torch {torch.__version__} was installed under the row for $torch_version'
-print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'missing')")
+print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'served in Python')")
   # The quick tier of every other file, then the four faces' files in full.
   faces=(tests/test_backend.py tests/test_torch_op.py tests/test_ddp.py tests/test_work_contract.py)
   if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick \
@@ -65,5 +67,6 @@ print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast 
     echo "== torch $torch_version: FAILED"
     failed=1
   fi
+  echo "== torch $torch_version: $((SECONDS - row_start)) s"
 done
 exit "$failed"

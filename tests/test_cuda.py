@@ -21,6 +21,9 @@ if not torch.cuda.is_available():
 
 import pyallreduce  # noqa: E402
 from pyallreduce import _C  # noqa: E402
+from pyallreduce.group import backend_of  # noqa: E402
+
+NO_CPP_SERVING = f"the backend's C++ fast path needs torch >= 2.9 (this is {torch.__version__})"
 
 if not _C.WITH_CUDA:
     pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
@@ -863,7 +866,7 @@ def check_backend_with_cuda_tensors(rank, world, store_file):
     _dist_all_gather(gathered, on_gpu(exact_input(seg, rank, torch.float32, 8)))
     assert torch.equal(gathered.cpu(), torch.cat([exact_input(seg, q, torch.float32, 8) for q in range(world)]))
     # After the first call made the Communicator, the contiguous calls took the C++ fast path.
-    assert dist.group.WORLD._get_backend(torch.device("cuda")).fast_calls == 6
+    assert backend_of(dist.group.WORLD, torch.device("cuda")).fast_calls == 6
 
     dist.destroy_process_group()  # closes the CUDA communicator with its peers
     assert_a_new_gpu_group_sums(rank, world, store_file)
@@ -913,7 +916,7 @@ def check_work_contract(rank, world, store_file):
     torch.cuda.set_device(0)
     dist.destroy_process_group()  # run_ranks' gloo group
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world)
-    impl = dist.group.WORLD._get_backend(torch.device("cuda"))
+    impl = backend_of(dist.group.WORLD, torch.device("cuda"))
     for salt, path in ((20, "python"), (21, "fast")):  # the first call makes the Communicator
         x = on_gpu(exact_input(4096, rank, torch.float32, salt))
         if rank == 1:
@@ -931,14 +934,12 @@ def check_work_contract(rank, world, store_file):
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
 def test_work_contract(tmp_path):
     run_ranks(check_work_contract, 2, str(tmp_path / "store"), timeout=240)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
 def test_backend_beside_another_threads_capture(tmp_path):
     run_ranks(check_backend_beside_another_threads_capture, 2, str(tmp_path / "store"), timeout=240)
 
@@ -1439,8 +1440,7 @@ def test_capture_left_inside_the_graph_capture():
     run_ranks(check_capture_left_inside_the_graph_capture, 2, timeout=RUN_TIMEOUT)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
@@ -1454,8 +1454,7 @@ def test_abort_beside_a_close_waiting_for_kernels():
     run_ranks(check_abort_beside_a_close_waiting_for_kernels, 2, timeout=240)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"),
-                    reason=f"the torch.distributed backend needs torch >= 2.13 (this is {torch.__version__})")
+@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
 def test_backend_abort_beside_a_waiting_kernel(tmp_path):
     run_ranks(check_backend_abort_beside_a_waiting_kernel, 2, str(tmp_path / "store"), timeout=240)
 
