@@ -8,11 +8,11 @@
 # and the Work contract in full. CI runs it beside scripts/test.sh (.ci/run).
 #
 # CI's rows: the oldest torch supported (2.4.1: the backend as a Python
-# ProcessGroup, Triton 3.0), 2.13.0 (the C++ backend against c10d's names
-# before 2.14; a CPU build on this machine's disk, /opt/wheels, with Triton
-# 3.6.0) and the newest on PyPI (2.15.0). 2.4.1 and 2.15.0 come from PyPI
-# with their CUDA libraries (2.5-4 GB: about 1.5 minutes each to install
-# here); PYALLREDUCE_TORCH_ROWS="2.11.0" (or any row of EXTRAS) runs others.
+# ProcessGroup, Triton 3.0) and the newest on PyPI (2.15.0), each with its
+# CUDA libraries (2.5-4 GB: about 1.5 minutes to install here). By hand,
+# PYALLREDUCE_TORCH_ROWS="2.13.0 2.11.0" (any row of EXTRAS): 2.13.0 is a CPU
+# build on this machine's disk (/opt/wheels), with Triton 3.6.0, the newest
+# torch whose c10d names predate 2.14's (csrc/backend.cpp's other branch).
 # numpy < 2.4 with Triton < 3.8: Triton 3.6's interpreter cannot run with
 # numpy 2.4 (importing the kernels says so: pyallreduce/triton_requirements.py).
 #
@@ -22,7 +22,7 @@
 # torch was not swapped under it (an extension built against one torch and
 # imported with another fails on undefined c10d symbols).
 #
-#   bash scripts/torch_matrix.sh [pytest args for every row]
+#   bash scripts/torch_matrix.sh [--prepare | --test] [pytest args for every row]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,10 +33,12 @@ declare -A EXTRAS=(
   [2.15.0]=""
 )
 ROWS=()
-for v in ${PYALLREDUCE_TORCH_ROWS:-2.4.1 2.13.0 2.15.0}; do
+for v in ${PYALLREDUCE_TORCH_ROWS:-2.4.1 2.15.0}; do
   [ -n "${EXTRAS[$v]+set}" ] || { echo "no row for torch $v: add its extras to EXTRAS" >&2; exit 2; }
   ROWS+=("$v|${EXTRAS[$v]}")
 done
+phase=all  # --prepare: install and build only (needs the network); --test: the tests of prepared rows
+case "${1:-}" in --prepare | --test) phase=${1#--}; shift ;; esac
 export PIP_CONSTRAINT=/dev/null
 failed=0
 for row in "${ROWS[@]}"; do
@@ -44,28 +46,34 @@ for row in "${ROWS[@]}"; do
   extras=${row#*|}
   dir=build/matrix/torch-$torch_version
   venv=$PWD/$dir/venv
-  echo "== torch $torch_version ($extras)"
   row_start=$SECONDS
-  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-  # shellcheck disable=SC2086  # extras is a list of requirement specs
-  "$venv/bin/python" -m pip install -q "torch==$torch_version" $extras pybind11 ninja pytest "setuptools>=77" wheel \
-    2>&1 | { grep -v "^WARNING: Location" || true; }
-  # A copy of the tracked files (mtimes kept: ninja recompiles only what changed).
-  mkdir -p "$dir/src"
-  git ls-files -z | xargs -0 cp -p --parents -t "$dir/src"
-  (cd "$dir/src" && PYALLREDUCE_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
-     "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | { grep -v "^ *$" || true; })
-  (cd "$dir/src" && "$venv/bin/python" -c "
+  if [ "$phase" != test ]; then
+    echo "== torch $torch_version ($extras): install and build"
+    [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+    # numpy: torch.distributed's object collectives need it, and torch >= 2.5 does not pull it in.
+    # shellcheck disable=SC2086  # extras is a list of requirement specs
+    "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy $extras pybind11 ninja pytest \
+      "setuptools>=77" wheel 2>&1 | { grep -v "^WARNING: Location" || true; }
+    # A copy of the tracked files (mtimes kept: ninja recompiles only what changed).
+    mkdir -p "$dir/src"
+    git ls-files -z | xargs -0 cp -p --parents -t "$dir/src"
+    (cd "$dir/src" && PYALLREDUCE_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
+       "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | { grep -v "^ *$" || true; })
+    (cd "$dir/src" && "$venv/bin/python" -c "
 import torch, pyallreduce._C as C
 assert torch.__version__.split('+')[0] == '$torch_version', f'torch {torch.__version__} was installed under the row for $torch_version'
 print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'served in Python')")
-  # The quick tier of every other file, then the four faces' files in full.
-  faces=(tests/test_backend.py tests/test_torch_op.py tests/test_ddp.py tests/test_work_contract.py)
-  if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick \
-          "${faces[@]/#/--ignore=}" "$@" &&
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider "${faces[@]}" "$@"); then
-    echo "== torch $torch_version: FAILED"
-    failed=1
+  fi
+  if [ "$phase" != prepare ]; then
+    echo "== torch $torch_version ($extras): tests"
+    # The quick tier of every other file, then the four faces' files in full.
+    faces=(tests/test_backend.py tests/test_torch_op.py tests/test_ddp.py tests/test_work_contract.py)
+    if ! (cd "$dir/src" && "$venv/bin/python" -m pytest tests -q -p no:cacheprovider --quick \
+            "${faces[@]/#/--ignore=}" "$@" &&
+          "$venv/bin/python" -m pytest -q -p no:cacheprovider "${faces[@]}" "$@"); then
+      echo "== torch $torch_version: FAILED"
+      failed=1
+    fi
   fi
   echo "== torch $torch_version: $((SECONDS - row_start)) s"
 done
