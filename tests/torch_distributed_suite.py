@@ -3,7 +3,7 @@ tests of torch/testing/_internal/distributed/distributed_test.py
 (DistributedTest._DistTestBase), as PyTorch's test/distributed/
 test_distributed_spawn.py runs them, world size 2, on CPU.
 
-Not part of the pytest tiers (285 tests, each spawning its ranks: about 15
+Not part of the pytest tiers (285 tests, each spawning its ranks: about 23
 minutes on 2 cores); run by hand after a change to the backend, once per
 backend, and compare the counts (README, "torch's distributed test suite").
 torch's test utilities need two packages the project does not otherwise use:
