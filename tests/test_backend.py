@@ -330,6 +330,9 @@ def _fsdp2(rank, world_size, store_file):
 
 @pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"),
                     reason=f"FSDP2 (fully_shard) came in torch 2.6 (this is {torch.__version__})")
+@pytest.mark.skipif(torch.__version__ < (2, 9), reason="the reference is wrong before 2.9: FSDP2 averages its "
+                    "gradients with ReduceOp.AVG, which torch 2.8's gloo sums instead (reduce_scatter_tensor: 1 and 2 "
+                    "give 3, where 2.15's give 1.5), so gloo's parameters are not what FSDP2 means")
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_fully_shard_matches_gloo(tmp_path, world):
     assert_matches_gloo(run_ranks(_fsdp2, world, str(tmp_path / "store"), timeout=TIMEOUT * 2), world)
