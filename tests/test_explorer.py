@@ -32,14 +32,14 @@ def test_explorer(world, seed, steps):
     assert leaked_segments() == [], "shared-memory segments left in /dev/shm"
 
 
-# (seed, steps) at 2 ranks, 10 to 20 s each on the emulated runtime.
-CUDA_RUNS = [(0, 30), (2, 30), (3, 30), (5, 30)]
+# (world size, seed, steps), 10 to 50 s each on the emulated runtime.
+CUDA_RUNS = [(2, 0, 30), (2, 2, 30), (2, 3, 30), (2, 5, 30), (3, 7, 20)]
 
 
-@pytest.mark.parametrize("seed,steps", CUDA_RUNS)
-def test_cuda_explorer(seed, steps):
+@pytest.mark.parametrize("world,seed,steps", CUDA_RUNS)
+def test_cuda_explorer(world, seed, steps):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device (tests/test_cuda_emulated.py runs this on the emulated runtime)")
-    taken = run_ranks(explore, 2, seed, steps, "cuda", timeout=600)
-    assert taken[0] == taken[1], "the ranks took different steps"
+    taken = run_ranks(explore, world, seed, steps, "cuda", timeout=600)
+    assert all(t == taken[0] for t in taken), "the ranks took different steps"
     assert taken[0][-1] == "end" and len(taken[0]) == steps + 1
