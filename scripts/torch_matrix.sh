@@ -61,9 +61,9 @@ for row in "${ROWS[@]}"; do
     (cd "$dir/src" && PYALLREDUCE_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
        "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | { grep -v "^ *$" || true; })
     (cd "$dir/src" && "$venv/bin/python" -c "
-import torch, pyallreduce._C as C
+import torch, pyallreduce.backend as B
 assert torch.__version__.split('+')[0] == '$torch_version', f'torch {torch.__version__} was installed under the row for $torch_version'
-print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if hasattr(C, 'ServingBackend') else 'served in Python')")
+print('torch', torch.__version__, '- the torch.distributed backend:', 'C++ fast path' if B.SERVES_IN_CPP else 'served in Python')")
   fi
   if [ "$phase" != prepare ]; then
     echo "== torch $torch_version ($extras): tests"

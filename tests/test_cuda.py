@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 import pyallreduce  # noqa: E402
 from pyallreduce import _C  # noqa: E402
+from pyallreduce.backend import SERVES_IN_CPP  # noqa: E402
 from pyallreduce.group import backend_of  # noqa: E402
 
 NO_CPP_SERVING = f"the backend's C++ fast path needs torch >= 2.9 (this is {torch.__version__})"
@@ -934,12 +935,12 @@ def check_work_contract(rank, world, store_file):
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
+@pytest.mark.skipif(not SERVES_IN_CPP, reason=NO_CPP_SERVING)
 def test_work_contract(tmp_path):
     run_ranks(check_work_contract, 2, str(tmp_path / "store"), timeout=240)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
+@pytest.mark.skipif(not SERVES_IN_CPP, reason=NO_CPP_SERVING)
 def test_backend_beside_another_threads_capture(tmp_path):
     run_ranks(check_backend_beside_another_threads_capture, 2, str(tmp_path / "store"), timeout=240)
 
@@ -1440,7 +1441,7 @@ def test_capture_left_inside_the_graph_capture():
     run_ranks(check_capture_left_inside_the_graph_capture, 2, timeout=RUN_TIMEOUT)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
+@pytest.mark.skipif(not SERVES_IN_CPP, reason=NO_CPP_SERVING)
 def test_backend_with_cuda_tensors(tmp_path):
     # A close that waits for itself (the backend's lock) hangs: a bound, not the deadline's 900 s.
     run_ranks(check_backend_with_cuda_tensors, 2, str(tmp_path / "store"), timeout=180)
@@ -1454,7 +1455,7 @@ def test_abort_beside_a_close_waiting_for_kernels():
     run_ranks(check_abort_beside_a_close_waiting_for_kernels, 2, timeout=240)
 
 
-@pytest.mark.skipif(not hasattr(_C, "ServingBackend"), reason=NO_CPP_SERVING)
+@pytest.mark.skipif(not SERVES_IN_CPP, reason=NO_CPP_SERVING)
 def test_backend_abort_beside_a_waiting_kernel(tmp_path):
     run_ranks(check_backend_abort_beside_a_waiting_kernel, 2, str(tmp_path / "store"), timeout=240)
 
