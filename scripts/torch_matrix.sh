@@ -22,7 +22,17 @@
 # torch was not swapped under it (an extension built against one torch and
 # imported with another fails on undefined c10d symbols).
 #
-#   bash scripts/torch_matrix.sh [--prepare | --test] [pytest args for every row]
+#   bash scripts/torch_matrix.sh [--prepare | --test | --ci] [pytest args for every row]
+#
+# --ci is how CI runs it, beside scripts/test.sh (.ci/run): row by row, install
+# and build, then the tests, then the row's venv is deleted, with no pip cache,
+# so the disk holds .venv and one row (5 GB) at a time, not every row and its
+# downloads twice (a CI run once stopped at "No space left on device"). Where
+# unshare can (root), a row's tests run in a network and mount namespace of
+# their own: their gloo groups and stores cannot meet the main suite's on a
+# port both drew (seen: "Gloo connectFullMesh failed ... Connection closed by
+# peer"), and their /dev/shm, which every test checks it leaves empty of
+# segments, is not the main suite's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,8 +49,27 @@ for v in ${PYALLREDUCE_TORCH_ROWS:-2.4.1 2.15.0}; do
   ROWS+=("$v|${EXTRAS[$v]}")
 done
 phase=all  # --prepare: install and build only (needs the network); --test: the tests of prepared rows
-case "${1:-}" in --prepare | --test) phase=${1#--}; shift ;; esac
+case "${1:-}" in --prepare | --test | --ci) phase=${1#--}; shift ;; esac
 export PIP_CONSTRAINT=/dev/null
+if [ "$phase" = ci ]; then
+  export PIP_NO_CACHE_DIR=1
+  isolate=(sh -c 'ip link set lo up && mount -t tmpfs -o size=50% tmpfs /dev/shm && exec "$@"' sh)
+  if unshare -mn "${isolate[@]}" true 2>/dev/null; then
+    isolate=(unshare -mn "${isolate[@]}")
+  else
+    echo "unshare -mn is not allowed here: the matrix's tests share the network and /dev/shm with the main suite"
+    isolate=()
+  fi
+  failed=0
+  for row in "${ROWS[@]}"; do
+    torch_version=${row%%|*}
+    PYALLREDUCE_TORCH_ROWS=$torch_version bash "$0" --prepare &&
+      PYALLREDUCE_TORCH_ROWS=$torch_version "${isolate[@]}" bash "$0" --test "$@" || failed=1
+    rm -rf "build/matrix/torch-$torch_version/venv"
+    df -h . | awk 'NR == 2 {print "== disk after the row: " $4 " free of " $2}'
+  done
+  exit "$failed"
+fi
 failed=0
 for row in "${ROWS[@]}"; do
   torch_version=${row%%|*}
