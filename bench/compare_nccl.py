@@ -1,9 +1,10 @@
 """nccl-tests-style check and timing of pyallreduce against torch.distributed
 (NCCL on CUDA, gloo on CPU), optionally against DeepSpeed's shared-memory
-all-reduce on CPU.
+all-reduce and an MPI's MPI_Allreduce on CPU.
 
     torchrun --nproc-per-node=8 bench/compare_nccl.py --sizes 1K:64M --json out.json
     python bench/compare_nccl.py --device cpu --nproc 4 --plot out.png   # spawns the ranks itself
+    python bench/compare_nccl.py --device cpu --mpi openmpi   # the ranks under mpiexec.openmpi, MPI timed too
 
 Every size first runs a correctness round with exact-sum inputs and zero
 tolerance (any wrong element makes the run exit non-zero), then the timed loops.
@@ -33,7 +34,8 @@ import pyallreduce
 from pyallreduce import policy
 from pyallreduce.communicator import DEFAULT_MAX_BYTES
 
-from local_ranks import add_launch_arguments, emulated_cuda, init_group, spawn_ranks, under_torchrun
+from local_ranks import (MPIS, add_launch_arguments, adopt_mpi_rank, emulated_cuda, import_mpi4py, init_group,
+                         spawn_ranks, under_torchrun)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPS = ("sum", "avg")
@@ -47,14 +49,6 @@ INPUT_PERIOD = 7
 # GRAPH_BATCH calls: one launch per call would otherwise dominate the latency.
 GRAPH_MAX_BYTES = 1 << 20
 GRAPH_BATCH = 20
-# Written as two_shot_min_bytes when two-shot never beat one-shot up to the
-# largest measured size (the policy reads an int, not null).
-NEVER = 2**63 - 1
-# Two-shot is chosen only where it beats one-shot by this factor: it has a
-# second barrier, so it loses more when cross-core latency rises (a busy
-# host; on the 2-core VM such phases made two-shot at 4 KiB 45% slower than
-# one-shot while it was 7% faster in quiet ones), and a small win does not pay for that.
-TWO_SHOT_MARGIN = 1.1
 # DeepSpeed's shm kernels need these x86 ISA levels (vector_kernel_level():
 # 1 = avx2, 2 = avx512bw); deepspeed/comm/torch.py falls back to the process
 # group below them, because the kernel would fault and its peers hang.
@@ -136,6 +130,11 @@ def parse_args(argv=None):
     p.add_argument("--compare-deepspeed", action="store_true",
                    help="CPU only: also time DeepSpeed's shm all-reduce (torch.ops.deepspeed.inference_all_reduce_, "
                         "sum only, in place); deepspeed must be importable (e.g. PYTHONPATH)")
+    p.add_argument("--mpi", choices=MPIS,
+                   help="CPU only: start the ranks with this MPI's launcher and also time its MPI_Allreduce "
+                        "(in place, through mpi4py built against it: bash bench/mpi_setup.sh), interleaved "
+                        "with ours size by size; the 16-bit types go to MPI as fp32 (MPI has no bfloat16), "
+                        "avg as a sum and a division (MPI has no average)")
     p.add_argument("--isa", choices=("native", "avx512", "avx2", "generic"), default="native",
                    help="CPU: the vector ISA of our reduction kernels (PYALLREDUCE_CPU_ISA), and with "
                         "--compare-deepspeed DeepSpeed's build too (avx2: -march=haswell), to measure an "
@@ -156,6 +155,8 @@ def parse_args(argv=None):
         p.error("--device cuda: no CUDA device is visible")
     if args.compare_deepspeed and args.device != "cpu":
         p.error("--compare-deepspeed compares DeepSpeed's CPU shared-memory all-reduce; use --device cpu")
+    if args.mpi and args.device != "cpu":
+        p.error("--mpi compares an MPI's CPU all-reduce; use --device cpu")
     if not args.crossovers_file.is_file():
         p.error(f"--crossovers-file {args.crossovers_file}: no such file (start from a copy of "
                 f"{policy.CROSSOVERS_FILE}, whose default rows the policy falls back to)")
@@ -361,12 +362,61 @@ class DeepSpeedShm:
         self.shm_path.unlink(missing_ok=True)
 
 
+# ---- MPI ---------------------------------------------------------------------------------
+
+class MpiAllreduce:
+    """An MPI's MPI_Allreduce in place, as a torch user calls it through
+    mpi4py: on the tensor's NumPy view (no copy). MPI has no average (a sum
+    and a division, as gloo's reference) and no bfloat16 (the 16-bit types go
+    as fp32 copies, what a user of MPI does; the copies are timed with it)."""
+
+    name = "mpi"
+
+    def __init__(self, mpi):
+        self.MPI = import_mpi4py(mpi)
+        self.comm = self.MPI.COMM_WORLD
+        self.world = self.comm.Get_size()
+        self.version = self.MPI.Get_library_version().strip().splitlines()[0]
+        self.mpi = mpi
+
+    def supports(self, dtype, op):
+        return True
+
+    def call(self, t, op):
+        """The in-place all-reduce of t as a callable."""
+        MPI, comm, world = self.MPI, self.comm, self.world
+        if t.dtype == torch.float32:
+            view = t.numpy()
+
+            def run():
+                comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+                if op == "avg":
+                    t.div_(world)
+            return run
+        wide = t.float()
+        view = wide.numpy()
+
+        def run_wide():
+            wide.copy_(t)
+            comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+            if op == "avg":
+                wide.div_(world)
+            t.copy_(wide)
+        return run_wide
+
+    def describe(self):
+        return {"mpi": self.mpi, "library": self.version}
+
+    def close(self):
+        pass
+
+
 # ---- the measurement ------------------------------------------------------------------
 
-def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache, deepspeed):
+def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache, deepspeed, mpi):
     """One size on one backend: correctness round, then timing, for every
     algo; returns the rows and the group's total of wrong elements. `cache`
-    keeps reference and DeepSpeed timings, which do not depend on the backend."""
+    keeps reference, DeepSpeed and MPI timings, which do not depend on the backend."""
     world, rank = comm.world_size, comm.rank
     dtype = DTYPES[dtype_name]
     elem = torch.empty((), dtype=dtype).element_size()
@@ -393,6 +443,15 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         if key not in cache:
             cache[key] = with_bandwidth(timer(lambda: deepspeed(ds_work), nbytes), nbytes, world)
         ds = dict(cache[key], wrong=ds_wrong)
+    mpi_stats = None
+    if mpi is not None:
+        mpi_work = x.clone()
+        mpi.call(mpi_work, op)()
+        mpi_wrong = sum_over_group(count_wrong(mpi_work, want), group)
+        key = ("mpi", dtype_name, op, nbytes)
+        if key not in cache:
+            cache[key] = with_bandwidth(timer(mpi.call(mpi_work, op), nbytes), nbytes, world)
+        mpi_stats = dict(cache[key], wrong=mpi_wrong)
     bound = None
     if device.type == "cpu":
         key = ("bound", nbytes)
@@ -421,7 +480,7 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
             "backend": comm.backend, "size": nbytes, "count": count, "type": dtype_name, "redop": op,
             "algo": algo, "out_of_place": with_bandwidth(oop, nbytes, world),
             "in_place": with_bandwidth(ip, nbytes, world), "reference": ref,
-            "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong, "deepspeed": ds,
+            "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong, "deepspeed": ds, "mpi": mpi_stats,
             "bound": bound, "pct_of_bound": 100 * bound["time_us"] / ip["time_us"] if bound else None,
         })
     return rows, total_wrong
@@ -474,22 +533,31 @@ UNITS = (f"#{'(B)':>11}{'(elements)':>12}{'':>25}"
          f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'(us)':>10}")
 
 
-def table_header(with_deepspeed):
-    extra = f"{'deepspeed':>11}" if with_deepspeed else ""
-    units = f"{'(us)':>11}" if with_deepspeed else ""
+# The other CPU all-reduces a row may carry (row key, column title): their
+# in-place time, and for MPI its own count of wrong elements.
+OTHERS = (("deepspeed", "deepspeed"), ("mpi", "mpi"))
+
+
+def table_header(others):
+    extra = "".join(f"{title:>11}" + (f"{'#wrong':>7}" if key == "mpi" else "") for key, title in OTHERS
+                    if key in others)
+    units = "".join(f"{'(us)':>11}" + (f"{'':>7}" if key == "mpi" else "") for key, _ in OTHERS if key in others)
     # %bound: the in-place time's share of the bandwidth bound (bound_copy_bytes), CPU only
     return f"{HEADER}{extra}{'%bound':>8}\n{UNITS}{'':>16}{units}"
 
 
-def format_row(r, with_deepspeed):
+def format_row(r, others):
     o, i, ref = r["out_of_place"], r["in_place"], r["reference"]
     line = (f" {r['size']:>11}{r['count']:>12}{r['type']:>9}{r['redop']:>6}{r['algo']:>10}"
             f"{o['time_us']:>10.1f}{o['algbw']:>8.2f}{o['busbw']:>8.2f}"
             f"{i['time_us']:>10.1f}{i['algbw']:>8.2f}{i['busbw']:>8.2f}"
             f"{ref['time_us']:>10.1f}{r['speedup']:>8.2f}{r['wrong']:>8}")
-    if with_deepspeed:
-        ds = r["deepspeed"]
-        line += f"{ds['time_us']:>11.1f}" if ds else f"{'n/a':>11}"
+    for key, _ in OTHERS:
+        if key in others:
+            stats = r[key]
+            line += f"{stats['time_us']:>11.1f}" if stats else f"{'n/a':>11}"
+            if key == "mpi":
+                line += f"{stats['wrong']:>7}"
     line += f"{r['pct_of_bound']:>8.0f}" if r.get("pct_of_bound") is not None else f"{'':>8}"
     return line
 
@@ -532,12 +600,12 @@ def plot(rows, path):
     for r in rows:
         tag = f"{r['type']} {r['redop']}"
         for name, stats in ((f"{r['backend']} {r['algo']}", r["in_place"]), ("reference", r["reference"]),
-                            ("deepspeed", r["deepspeed"])):
+                            ("deepspeed", r["deepspeed"]), ("mpi", r.get("mpi"))):
             if stats:
                 series.setdefault(f"{name} ({tag})", {})[r["size"]] = stats
     for label, points in sorted(series.items()):
         sizes = sorted(points)
-        style = "--" if label.startswith(("reference", "deepspeed")) else "-"
+        style = "--" if label.startswith(("reference", "deepspeed", "mpi")) else "-"
         lat.plot(sizes, [points[s]["time_us"] for s in sizes], style, marker=".", label=label)
         bw.plot(sizes, [points[s]["busbw"] for s in sizes], style, marker=".", label=label)
     for ax, ylabel in ((lat, "in-place time (us)"), (bw, "busbw (GB/s)")):
@@ -557,7 +625,7 @@ def derive_crossover(rows, backend):
     """From the native backend's rows: per size and run, in-place medians
     summed over the measured dtypes and ops; a side wins at a size when it is
     faster in the median run (by time ratio, so one run in a slow phase of a
-    shared host does not decide; two-shot must win by TWO_SHOT_MARGIN). A
+    shared host does not decide; two-shot must win by policy.TWO_SHOT_MARGIN). A
     crossover is the smallest size from which that side wins at every larger
     measured size."""
     totals = {}  # size -> run -> summed times
@@ -577,17 +645,11 @@ def derive_crossover(rows, backend):
         mid = len(values) // 2
         return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
-    def smallest_winning_tail(ratio, needed):
-        start = None
-        for s in reversed(sizes):
-            if median_ratio(s, ratio) <= needed:
-                break
-            start = s
-        return start
-
-    two_shot = smallest_winning_tail(lambda t: t["one_shot"] / t["two_shot"], TWO_SHOT_MARGIN)
-    reference = smallest_winning_tail(lambda t: min(t["one_shot"], t["two_shot"]) / t["reference"], 1.0)
-    return {"two_shot_min_bytes": NEVER if two_shot is None else two_shot,
+    two_shot = policy.winning_tail_start(
+        sizes, lambda s: median_ratio(s, lambda t: t["one_shot"] / t["two_shot"]) > policy.TWO_SHOT_MARGIN)
+    reference = policy.winning_tail_start(
+        sizes, lambda s: median_ratio(s, lambda t: min(t["one_shot"], t["two_shot"]) / t["reference"]) > 1.0)
+    return {"two_shot_min_bytes": policy.NEVER if two_shot is None else two_shot,
             "reference_min_bytes": reference, "measured": True}
 
 
@@ -605,6 +667,8 @@ def run(args):
     kind = policy.device_kind(device)
     timer = Timer(args, device)
     deepspeed = DeepSpeedShm(rank, world, args.isa) if args.compare_deepspeed else None
+    mpi = MpiAllreduce(args.mpi) if args.mpi else None
+    others = [key for key, present in (("deepspeed", deepspeed), ("mpi", mpi)) if present]
     say = print if rank == 0 else (lambda *a, **k: None)
 
     machine = machine_description(device, world)
@@ -616,6 +680,8 @@ def run(args):
     if deepspeed:
         say(f"# DeepSpeed {deepspeed.version} shm all-reduce: vector_kernel_level {deepspeed.level}, "
             f"loaded in {deepspeed.load_s:.0f} s")
+    if mpi:
+        say(f"# MPI: {mpi.version} (MPI_Allreduce in place through mpi4py; 16-bit types as fp32 copies)")
     rows, wrong = [], 0
     for run_index in range(args.repeat):
         cache = {}  # reference, DeepSpeed and bound timings: once per run
@@ -623,15 +689,15 @@ def run(args):
             comm = pyallreduce.Communicator(device=device, backend=backend, max_bytes=args.max_bytes)
             table = policy.lookup(kind, world, path=args.crossovers_file)
             say(f"#\n# run {run_index + 1} of {args.repeat}, backend {backend}: {comm!r}\n# auto uses {table}")
-            say(table_header(deepspeed is not None))
+            say(table_header(others))
             for dtype_name in args.dtypes:
                 for op in args.ops:
                     for nbytes in args.sizes:
                         found, n = measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache,
-                                                deepspeed)
+                                                deepspeed, mpi)
                         for r in found:
                             r["run"] = run_index
-                            say(format_row(r, deepspeed is not None), flush=True)
+                            say(format_row(r, others), flush=True)
                         rows += found
                         wrong += n
             comm.close()
@@ -644,7 +710,8 @@ def run(args):
         if args.json:
             report = {"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v
                                                    for k, v in vars(args).items()},
-                      "memcpy": memcpy, "deepspeed": deepspeed.describe() if deepspeed else None, "rows": rows}
+                      "memcpy": memcpy, "deepspeed": deepspeed.describe() if deepspeed else None,
+                      "mpi": mpi.describe() if mpi else None, "rows": rows}
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         if args.plot:
             plot(rows, args.plot)
@@ -668,8 +735,8 @@ def main():
     args = parse_args()
     if args.isa != "native":  # before pyallreduce's kernels first run; the spawned ranks inherit it
         os.environ["PYALLREDUCE_CPU_ISA"] = args.isa
-    if not under_torchrun():
-        return spawn_ranks(__file__, args.nproc, bind_cores=args.device == "cpu")
+    if not (under_torchrun() or adopt_mpi_rank()):
+        return spawn_ranks(__file__, args.nproc, bind_cores=args.device == "cpu", mpi=args.mpi)
     return run(args)
 
 

@@ -1,11 +1,14 @@
 """What the bench scripts share: running a script once per local rank when it is
-not under torchrun, and joining the process group on CPU (gloo) or CUDA (NCCL;
-gloo on the emulated CUDA runtime)."""
+not under torchrun (or under an MPI's launcher, to time that MPI in the same
+processes), and joining the process group on CPU (gloo) or CUDA (NCCL; gloo on
+the emulated CUDA runtime)."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,57 @@ def under_torchrun():
     return "RANK" in os.environ
 
 
+# ---- MPI -----------------------------------------------------------------------------
+# Debian's Open MPI and MPICH install side by side; each needs its own build
+# of mpi4py (bench/mpi_setup.sh puts them under build/mpi/<name>).
+MPIS = ("openmpi", "mpich")
+MPI4PY_DIR = Path(__file__).resolve().parent.parent / "build" / "mpi"
+# Where an MPI launcher puts a rank's number and the world size.
+MPI_RANK_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+
+def mpi_launcher(mpi, nproc):
+    """The command that starts nproc ranks under this MPI: no binding by the
+    launcher (the ranks bind themselves as spawn_ranks binds them, so both
+    libraries run on the same cores), Open MPI allowed to run as root and to
+    oversubscribe (more ranks than cores, as the busy-machine rows are)."""
+    exe = shutil.which(f"mpiexec.{mpi}")
+    if exe is None:
+        raise SystemExit(f"--mpi {mpi}: mpiexec.{mpi} not found; bash bench/mpi_setup.sh installs Debian's "
+                         f"Open MPI and MPICH and builds mpi4py for each")
+    if mpi == "openmpi":
+        return [exe, "-n", str(nproc), "--bind-to", "none", "--oversubscribe", "--allow-run-as-root"]
+    return [exe, "-n", str(nproc), "-bind-to", "none"]
+
+
+def import_mpi4py(mpi):
+    """mpi4py built against this MPI (build/mpi/<mpi>), imported; MPI itself
+    initialised by the import."""
+    path = MPI4PY_DIR / mpi
+    if not (path / "mpi4py").is_dir():
+        raise SystemExit(f"no mpi4py built against {mpi} in {path}: run bash bench/mpi_setup.sh")
+    sys.path.insert(0, str(path))
+    from mpi4py import MPI
+
+    return MPI
+
+
+def adopt_mpi_rank():
+    """Under an MPI launcher (spawn_ranks(..., mpi=...)): torchrun's rank
+    environment from the launcher's, and the core binding spawn_ranks would
+    have given. Returns whether this process is an MPI rank."""
+    for rank_var, size_var in MPI_RANK_ENV:
+        if rank_var in os.environ and "PYALLREDUCE_BENCH_MPI" in os.environ:
+            rank, world = int(os.environ[rank_var]), int(os.environ[size_var])
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world))
+            binding = core_sets(world) if os.environ.get("PYALLREDUCE_BENCH_BIND") == "1" else None
+            if binding:
+                os.sched_setaffinity(0, binding[rank])
+            return True
+    return False
+
+
 def core_sets(nproc):
     """The cores each rank is bound to: an equal share of this process's cores
     each, or None (no binding) when there are fewer cores than ranks."""
@@ -37,19 +91,32 @@ def core_sets(nproc):
     return [set(cores[r * share:(r + 1) * share]) for r in range(nproc)]
 
 
-def spawn_ranks(script, nproc, bind_cores=False):
+def spawn_ranks(script, nproc, bind_cores=False, mpi=None):
     """Runs `script` with this process's arguments once per rank, with torchrun's
     environment; returns 0, or the exit code of the first rank seen failing. A
     rank that fails takes the others down with it, so a run never waits on
     ranks blocked in a collective.
     bind_cores: pin the ranks to disjoint cores (core_sets), as a CPU job
     would be run for speed; two spinning ranks sharing a core measure the
-    scheduler, not the all-reduce."""
+    scheduler, not the all-reduce.
+    mpi: start the ranks with that MPI's launcher instead (mpi_launcher; the
+    script calls adopt_mpi_rank first), so they can time it beside us."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     binding = core_sets(nproc) if bind_cores else None
+    if mpi is not None:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYALLREDUCE_BENCH_MPI=mpi,
+                   PYALLREDUCE_BENCH_BIND="1" if binding else "0")
+        env.setdefault("OMP_NUM_THREADS", threads)
+        procs = [subprocess.Popen([*mpi_launcher(mpi, nproc), sys.executable, os.path.abspath(script),
+                                   *sys.argv[1:]], env=env, start_new_session=True)]
+        try:
+            return procs[0].wait()
+        finally:
+            if procs[0].poll() is None:
+                os.killpg(procs[0].pid, 9)
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _C, live, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
+from . import _C, calibrate, live, logs, ops, reference  # noqa: F401  (ops: fake impls for torch.compile)
 from .arguments import (algo_id, average_or_none, check_tensor, data, gathered_shape, output, parse_op,
                         scattered_shape, staging_bytes, timeout_seconds)
 from .eager import OFF, EagerPath
@@ -72,6 +72,9 @@ class Communicator:
         setup = agree_on_group(self.group, self.world_size, self.device, self.backend, engine_type, self.max_bytes,
                                engine_type.resolve_nblocks(nblocks, self.device))
         self.nblocks, self._crossover, self.fallback_reason = setup.nblocks, setup.crossover, setup.fallback_reason
+        if self.fallback_reason is None and setup.calibrate:
+            self._crossover = calibrate.measure(engine_type, self.group, self.rank, self.world_size, self.device,
+                                                self.nblocks, self.timeout_s, setup.kind, setup.crossover)
         if self.fallback_reason is None:
             self._engine = engine_type(self.group, self.rank, self.device, self.max_bytes, self.nblocks,
                                        self.timeout_s)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _C, live, logs, policy
+from . import _C, calibrate, live, logs, policy
 from .protocol import host_id
 
 
@@ -44,6 +44,8 @@ class GroupSetup:
     crossover: policy.Crossover     # rank 0's row: the same on every rank
     nblocks: int                    # lowered alike on every rank where ranks share a GPU
     gpu: Optional[str]              # the GPU whose blocks the kernels hold (policy.resident_nblocks)
+    kind: Optional[str] = None      # rank 0's device kind (policy.device_kind)
+    calibrate: bool = False         # rank 0's answer: measure the crossover here (calibrate.py)
 
 
 def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, nblocks) -> GroupSetup:
@@ -52,7 +54,9 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
     a different max_bytes makes odd-epoch reads run past a smaller peer's
     region. Lowers nblocks on every rank alike when ranks share a GPU, and
     takes rank 0's crossover row on every rank (a rank whose kind differs, e.g.
-    another PYALLREDUCE_CPU_ISA, would otherwise pick other algorithms)."""
+    another PYALLREDUCE_CPU_ISA, or that read a cache file another process
+    had just written, would otherwise pick other algorithms), and rank 0's
+    answer to whether it is to be measured here."""
     kind, kind_error = None, None
     try:
         kind = policy.device_kind(device)
@@ -61,12 +65,14 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
     gpu = _gpu_capacity(engine_class, device, world_size)
     if gpu is not None:
         gpu = (*gpu, live.blocks_held(gpu[0]))
-    mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error)
+    crossover = policy.lookup(kind, world_size) if kind is not None else None
+    measure = crossover is not None and calibrate.wanted(device, backend, crossover)
+    mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error, crossover, measure)
     every = gather(mine, group)
     failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
     if failed:
         raise RuntimeError("pyallreduce: " + "; ".join(failed))
-    setup = GroupSetup(None, policy.lookup(every[0][6], world_size), nblocks, None)
+    setup = GroupSetup(None, every[0][8], nblocks, None, every[0][6], every[0][9])
     if len({e[1:5] for e in every}) > 1:
         rows = "\n".join(f"  rank {q}: backend={e[1]!r}, device={e[2]}, max_bytes={e[3]}, nblocks={e[4]}"
                          for q, e in enumerate(every))

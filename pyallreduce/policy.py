@@ -1,14 +1,20 @@
 """Which algorithm runs at which size: the one place that decides, from the
 crossovers bench/compare_nccl.py measures and writes to crossovers.json
-(`python bench/compare_nccl.py ... --write-crossovers`).
+(`python bench/compare_nccl.py ... --write-crossovers`), or, for a machine
+that table has no row for, from the crossover measured on it at first use
+(calibrate.py) and kept in a cache file (cache_file()).
 
 The table is keyed by device kind (policy.device_kind: "cpu:<model>:<ISA>",
 "cuda:<GPU name>", or a family "cpu", "cuda" that serves kinds without a row)
-and world size; see lookup() for the fallbacks.
+and world size; see lookup() for the fallbacks. Only a kind's own row counts
+as measured: one machine's crossover is not another's (a two-shot crossover
+measured at 4 KiB on one CPU was 25% slower there on another).
 """
 import functools
 import json
+import os
 import platform
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,6 +22,16 @@ from typing import Optional
 import torch
 
 CROSSOVERS_FILE = Path(__file__).with_name("crossovers.json")
+# Where crossovers measured at first use are kept (default: $XDG_CACHE_HOME or ~/.cache, then pyallreduce/).
+CACHE_DIR_ENV = "PYALLREDUCE_CACHE_DIR"
+# Two-shot is chosen only where it beats one-shot by this factor: it has a
+# second barrier, so it loses more when cross-core latency rises (a busy
+# host; on the 2-core VM such phases made two-shot at 4 KiB 45% slower than
+# one-shot while it was 7% faster in quiet ones), and a small win does not pay for that.
+TWO_SHOT_MARGIN = 1.1
+# two_shot_min_bytes where two-shot never beat one-shot up to the largest
+# measured size (the policy reads an int, not null).
+NEVER = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -60,13 +76,60 @@ def _table(path=CROSSOVERS_FILE):
     return json.loads(Path(path).read_text())
 
 
-def lookup(kind, world_size, path=CROSSOVERS_FILE):
-    """The row for this kind and world size; else the kind's family ("cpu",
-    "cuda") for this world size; else their "default" rows; else the table's."""
-    table = _table(path)
-    own, family, ws = table.get(kind, {}), table.get(kind.split(":")[0], {}), str(world_size)
-    row = own.get(ws) or family.get(ws) or own.get("default") or family.get("default") or table["default"]
-    return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), bool(row.get("measured", False)))
+def lookup(kind, world_size, path=CROSSOVERS_FILE, cache=None):
+    """The table's row for this kind and world size; else the one measured on
+    this machine at first use (the cache file; None: cache_file()); else, not
+    measured for this kind, the kind's family ("cpu", "cuda") for this world
+    size, their "default" rows, the table's."""
+    table, ws = _table(path), str(world_size)
+    own, family = table.get(kind, {}), table.get(kind.split(":")[0], {})
+    row = own.get(ws)
+    if row is None:
+        try:
+            row = json.loads((cache or cache_file()).read_text()).get(kind, {}).get(ws)
+        except (OSError, ValueError):  # no cache yet, or unreadable: measured again
+            row = None
+    if row is not None:
+        return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), bool(row.get("measured", False)))
+    row = family.get(ws) or own.get("default") or family.get("default") or table["default"]
+    return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), False)
+
+
+def cache_file():
+    base = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                 "pyallreduce")
+    return Path(base) / "crossovers.json"
+
+
+def remember(kind, world_size, crossover, cache=None):
+    """Adds a crossover measured here to the cache file (written whole and
+    renamed into place: a process reading it sees the old file or the new)."""
+    path = cache or cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table.setdefault(kind, {})[str(world_size)] = {
+        "two_shot_min_bytes": crossover.two_shot_min_bytes, "reference_min_bytes": crossover.reference_min_bytes,
+        "measured": True, "how": "at first use (pyallreduce/calibrate.py)"}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".crossovers.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=2)
+    os.replace(tmp, path)
+
+
+def winning_tail_start(sizes, wins):
+    """The smallest of the ascending `sizes` from which wins(size) holds at
+    every larger size; None when it does not hold at the largest. How a
+    crossover is read off measurements: a win at one size with losses above
+    it is noise, not a crossover."""
+    start = None
+    for size in reversed(sizes):
+        if not wins(size):
+            break
+        start = size
+    return start
 
 
 def resident_nblocks(nblocks, devices):

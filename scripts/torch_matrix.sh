@@ -24,9 +24,10 @@
 #
 #   bash scripts/torch_matrix.sh [--prepare | --test | --ci] [pytest args for every row]
 #
-# --ci is how CI runs it, beside scripts/test.sh (.ci/run): row by row, install
-# and build, then the tests, then the row's venv is deleted, with no pip cache,
-# so the disk holds .venv and one row (5 GB) at a time, not every row and its
+# --ci is how CI runs it, beside scripts/test.sh (.ci/run): a row is installed
+# and built while the previous row's tests run (their ranks mostly wait on
+# each other), and deleted after its own tests, with no pip cache, so the disk
+# holds .venv and at most two rows (5 GB each), not every row and its
 # downloads twice (a CI run once stopped at "No space left on device"). Where
 # unshare can (root), a row's tests run in a network and mount namespace of
 # their own: their gloo groups and stores cannot meet the main suite's on a
@@ -60,12 +61,29 @@ if [ "$phase" = ci ]; then
     echo "unshare -mn is not allowed here: the matrix's tests share the network and /dev/shm with the main suite"
     isolate=()
   fi
+  versions=()
+  for row in "${ROWS[@]}"; do versions+=("${row%%|*}"); done
+  mkdir -p build/matrix
+  prepare() { PYALLREDUCE_TORCH_ROWS=$1 bash "$0" --prepare > "build/matrix/prepare-$1.log" 2>&1; }
+  prepare "${versions[0]}" &
+  preparing=$!
   failed=0
-  for row in "${ROWS[@]}"; do
-    torch_version=${row%%|*}
-    PYALLREDUCE_TORCH_ROWS=$torch_version bash "$0" --prepare &&
-      PYALLREDUCE_TORCH_ROWS=$torch_version "${isolate[@]}" bash "$0" --test "$@" || failed=1
-    rm -rf "build/matrix/torch-$torch_version/venv"
+  for i in "${!versions[@]}"; do
+    v=${versions[$i]}
+    prepared=1
+    wait "$preparing" || prepared=0
+    cat "build/matrix/prepare-$v.log"
+    if [ $((i + 1)) -lt ${#versions[@]} ]; then
+      prepare "${versions[$((i + 1))]}" &
+      preparing=$!
+    fi
+    if [ "$prepared" = 1 ]; then
+      PYALLREDUCE_TORCH_ROWS=$v "${isolate[@]}" bash "$0" --test "$@" || failed=1
+    else
+      echo "== torch $v: FAILED to install or build"
+      failed=1
+    fi
+    rm -rf "build/matrix/torch-$v/venv"
     df -h . | awk 'NR == 2 {print "== disk after the row: " $4 " free of " $2}'
   done
   exit "$failed"

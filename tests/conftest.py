@@ -1,5 +1,7 @@
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 
@@ -16,6 +18,11 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Crossovers measured at first use (pyallreduce/calibrate.py) go to a
+    # directory of this session's, never the user's cache: each kind and world
+    # size is measured once per session, and the session leaves nothing behind.
+    # Ranks and bench scripts inherit it.
+    os.environ["PYALLREDUCE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyallreduce-test-cache-")
     config.addinivalue_line(
         "markers", "quick: in the quick tier (--quick) too, with its first parameter set: together these touch "
         "every module's main behaviour in under 3 minutes; every test runs in the full tier (CI)")
@@ -58,6 +65,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    shutil.rmtree(os.environ["PYALLREDUCE_CACHE_DIR"], ignore_errors=True)
     for proc in _background:  # started in sessions of their own: kill the compilers too
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -72,7 +72,7 @@ def test_cpu_run_json_and_crossovers(tmp_path):
                                                                      if k != "2"}
     crossover = policy.lookup(kind, 2, path=table)
     assert crossover.measured
-    assert crossover.two_shot_min_bytes in SIZES + [bench_scripts.load("compare_nccl").NEVER]
+    assert crossover.two_shot_min_bytes in SIZES + [policy.NEVER]
     assert crossover.reference_min_bytes is None or crossover.reference_min_bytes in SIZES
 
 
@@ -145,7 +145,7 @@ def test_crossover_is_the_start_of_the_winning_tail():
     assert got == {"two_shot_min_bytes": 8192, "reference_min_bytes": 16384, "measured": True}
 
     # A two-shot win within TWO_SHOT_MARGIN does not count: one-shot keeps 8K.
-    close = {**two, 8192: 50 / bench.TWO_SHOT_MARGIN + 0.5}
+    close = {**two, 8192: 50 / policy.TWO_SHOT_MARGIN + 0.5}
     rows = [row(s, "one_shot", one[s], ref[s]) for s in one] + [row(s, "two_shot", close[s], ref[s]) for s in close]
     assert bench.derive_crossover(rows, "cpu")["two_shot_min_bytes"] == 16384
 
@@ -161,7 +161,7 @@ def test_crossover_is_the_start_of_the_winning_tail():
 
     never = [row(s, "one_shot", 1, 100) for s in one] + [row(s, "two_shot", 2, 100) for s in one]
     got = bench.derive_crossover(never, "cpu")
-    assert got["two_shot_min_bytes"] == bench.NEVER and got["reference_min_bytes"] is None
+    assert got["two_shot_min_bytes"] == policy.NEVER and got["reference_min_bytes"] is None
 
 
 def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):

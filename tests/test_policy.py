@@ -1,7 +1,15 @@
-"""pyallreduce.policy's decisions that need no device: the grid size bound for
-ranks sharing a GPU (issue: MPS, several ranks per GPU)."""
-import pytest
+"""pyallreduce.policy's decisions: the grid size bound for ranks sharing a GPU
+(issue: MPS, several ranks per GPU), and the crossover row a machine gets:
+its kind's own, else one measured on it at first use and cached, never
+another machine's counted as measured."""
+import json
+import os
 
+import pytest
+import torch
+
+from launch import run_ranks
+from pyallreduce import policy
 from pyallreduce.policy import resident_nblocks
 from reference import triton_kernels_unusable
 
@@ -211,3 +219,85 @@ def test_auto_follows_the_crossover_row_set_on_a_communicator():
 
     for kernels_first, by_torch in run_ranks(_auto_follows_a_new_crossover_row, 2, timeout=120):
         assert kernels_first and by_torch == 2, (kernels_first, by_torch)
+
+
+# ---- crossovers --------------------------------------------------------------------
+
+TABLE = {
+    "default": {"two_shot_min_bytes": 1 << 20, "reference_min_bytes": None},
+    "cpu": {"2": {"two_shot_min_bytes": 4096, "reference_min_bytes": None, "measured": True}},
+    "cpu:Other CPU:avx2": {"2": {"two_shot_min_bytes": 65536, "reference_min_bytes": None, "measured": True}},
+}
+
+
+def test_only_a_kinds_own_row_or_its_own_measurement_counts_as_measured(tmp_path):
+    table, cache = tmp_path / "table.json", tmp_path / "cache.json"
+    table.write_text(json.dumps(TABLE))
+    assert policy.lookup("cpu:Other CPU:avx2", 2, table, cache) == policy.Crossover(65536, None, True)
+    # Another CPU gets the family's numbers as a default to measure over, not as its measurement.
+    assert policy.lookup("cpu:This CPU:avx512", 2, table, cache) == policy.Crossover(4096, None, False)
+    assert policy.lookup("cpu:This CPU:avx512", 4, table, cache) == policy.Crossover(1 << 20, None, False)
+    policy.remember("cpu:This CPU:avx512", 2, policy.Crossover(16384, None, True), cache)
+    assert policy.lookup("cpu:This CPU:avx512", 2, table, cache) == policy.Crossover(16384, None, True)
+    assert policy.lookup("cpu:This CPU:avx512", 4, table, cache).measured is False
+    # The table's own row wins over a measurement at first use (bench/compare_nccl.py's is many runs').
+    policy.remember("cpu:Other CPU:avx2", 2, policy.Crossover(1024, None, True), cache)
+    assert policy.lookup("cpu:Other CPU:avx2", 2, table, cache).two_shot_min_bytes == 65536
+    cache.write_text("{not json")  # a damaged cache is measured again, not an error
+    assert policy.lookup("cpu:This CPU:avx512", 2, table, cache).measured is False
+    policy.remember("cpu:This CPU:avx512", 2, policy.Crossover(8192, None, True), cache)
+    assert policy.lookup("cpu:This CPU:avx512", 2, table, cache).two_shot_min_bytes == 8192
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def test_winning_tail_start_ignores_a_win_below_a_loss():
+    wins = {1: True, 2: False, 4: True, 8: True}
+    assert policy.winning_tail_start([1, 2, 4, 8], wins.get) == 4
+    assert policy.winning_tail_start([1, 2], {1: True, 2: False}.get) is None
+    assert policy.winning_tail_start([1, 2], {1: True, 2: True}.get) == 1
+
+
+FAKE_KIND = "cpu:A CPU no table knows:avx512"
+
+
+def _communicators_of_a_new_machine(rank, world, calibrate_env):
+    """Two Communicators in a row on a kind crossovers.json has no row for."""
+    import pyallreduce
+    from pyallreduce import calibrate
+
+    policy.device_kind = lambda device: FAKE_KIND  # this process only
+    if calibrate_env is not None:
+        os.environ["PYALLREDUCE_CALIBRATE"] = calibrate_env[rank]
+    measured, measure = [], calibrate.measure
+    calibrate.measure = lambda *a: measured.append(1) or measure(*a)
+    seen = []
+    for _ in range(2):
+        comm = pyallreduce.Communicator(device="cpu")
+        seen.append((comm.crossover, len(measured), comm._calls))
+        comm.all_reduce_(torch.ones(8))  # its own calls begin at its first (the measurement had an engine of its own)
+        seen[-1] += (comm._calls,)
+        comm.close()
+    return seen
+
+
+def test_a_machine_without_a_row_measures_its_crossover_once_and_its_ranks_agree(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYALLREDUCE_CACHE_DIR", str(tmp_path))
+    seen = run_ranks(_communicators_of_a_new_machine, 2, None, timeout=180)
+    (first, measured, calls, calls_after_one), (second, measured_again, _, _) = seen[0]
+    assert first.measured and measured == 1 and (calls, calls_after_one) == (0, 1)
+    assert second == first and measured_again == 1, "the second Communicator must take the cached row"
+    assert all(s == seen[0] for s in seen), f"the ranks disagree: {seen}"
+    cached = json.loads((tmp_path / "crossovers.json").read_text())[FAKE_KIND]["2"]
+    assert cached["two_shot_min_bytes"] == first.two_shot_min_bytes and cached["measured"]
+
+
+def test_ranks_follow_rank_0_on_whether_to_measure(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYALLREDUCE_CACHE_DIR", str(tmp_path))
+    # Rank 0 says not to measure: nobody does, nothing is cached, the default row serves.
+    seen = run_ranks(_communicators_of_a_new_machine, 2, ("0", "1"), timeout=180)
+    assert all(crossover == policy.Crossover(4096, None, False) and measured == 0
+               for rank_seen in seen for crossover, measured, _, _ in rank_seen), seen
+    assert not (tmp_path / "crossovers.json").exists()
+    # Rank 0 says to: every rank measures with it (a rank that did not would leave it waiting).
+    seen = run_ranks(_communicators_of_a_new_machine, 2, ("1", "0"), timeout=180)
+    assert seen[0] == seen[1] and seen[0][0][0].measured

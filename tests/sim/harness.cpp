@@ -1050,7 +1050,12 @@ void wait_for_peers_at_start(const Rank& r) {
 // end barrier, and two-shot's mid barrier there, keep a peer from reading
 // this rank's registered buffer after its caller got it back. Then a staged
 // two-shot: rank 0 gives up in the mid barrier, and rank 1, which reads only
-// rank 0's region, completes exactly.
+// rank 0's region, completes exactly. There rank 0 is aborted only once all
+// its blocks have published their start: a block that starts after another
+// block of its call gave up does nothing (Call::gave_up, as a kernel queued
+// behind it), so its peers' blocks wait for their deadline instead. On a GPU
+// a launch's resident blocks start microseconds apart; the host shim's block
+// threads on a loaded machine, milliseconds (seen: 3 runs in 100).
 RankBody abort_after_start_script() {
   return [](Rank& r) {
     if (r.rank == 0) __atomic_store_n(&r.status.aborted, 1u, __ATOMIC_RELEASE);
@@ -1071,9 +1076,26 @@ RankBody abort_after_start_script() {
     s.algo = kTwoShot;
     s.where = CallSpec::kPrivate;
     ++s.seed;
-    if (r.rank == 1) r.slow_us = 20000;  // rank 0 waits ~20 ms in the mid barrier: well past kAbortLookNs
-    if (r.rank == 0) wait_for_peers_at_start(r);
+    if (r.rank == 1) r.slow_us = 50000;  // rank 0 waits ~50 ms in the mid barrier: well past kAbortLookNs
+    std::thread aborter;
+    if (r.rank == 0) {
+      wait_for_peers_at_start(r);
+      __atomic_store_n(&r.status.aborted, 0u, __ATOMIC_RELEASE);
+      const auto* epochs = reinterpret_cast<const uint32_t*>(r.region(0) + kEpochOffset);
+      std::vector<uint32_t> e(size_t(r.cfg.nblocks));
+      for (int b = 0; b < r.cfg.nblocks; ++b) e[size_t(b)] = epochs[b] + 1;
+      aborter = std::thread([&r, e] {  // the abort, once every block of rank 0 is past its start
+        const auto* peer_flags = reinterpret_cast<const uint32_t*>(r.region(1) + kStartFlagsOffset);
+        for (int b = 0; b < r.cfg.nblocks; ++b) {
+          while (__atomic_load_n(&peer_flags[flag_index(b, 0)], __ATOMIC_ACQUIRE) != e[size_t(b)]) {
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
+        }
+        __atomic_store_n(&r.status.aborted, 1u, __ATOMIC_RELEASE);
+      });
+    }
     run_call(r, std::vector<CallSpec>(size_t(r.cfg.world), s), r.rank == 0 ? Expect::kAborted : Expect::kOk, 1u << 1);
+    if (aborter.joinable()) aborter.join();
   };
 }
 
