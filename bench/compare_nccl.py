@@ -376,7 +376,7 @@ class MpiAllreduce:
         self.MPI = import_mpi4py(mpi)
         self.comm = self.MPI.COMM_WORLD
         self.world = self.comm.Get_size()
-        self.version = self.MPI.Get_library_version().strip().splitlines()[0]
+        self.version = self.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         self.mpi = mpi
 
     def supports(self, dtype, op):

@@ -3,7 +3,7 @@
 # build/mpi/<name> (the two cannot share one build: their ABIs differ), for
 # bench/compare_nccl.py --mpi. Idempotent: what is there is kept.
 #   bash bench/mpi_setup.sh        (after scripts/setup.sh, which makes .venv)
-set -euo pipefail
+set -euo pipefail  # pipefail: pip's status, not grep's
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 MPI4PY=${MPI4PY:-mpi4py==4.1.1}
@@ -17,7 +17,8 @@ for mpi in openmpi mpich; do
   if [ ! -d "build/mpi/$mpi/mpi4py" ]; then
     echo "== mpi4py against $mpi"
     # From source (no binary wheel, which brings an MPI of its own), with this MPI's compiler wrapper.
-    MPICC=mpicc.$mpi "$PY" -m pip install -q --no-cache-dir --no-binary mpi4py --target "build/mpi/$mpi" "$MPI4PY"
+    MPICC=mpicc.$mpi "$PY" -m pip install -q --no-cache-dir --no-binary mpi4py --target "build/mpi/$mpi" "$MPI4PY" \
+      2>&1 | { grep -v "^WARNING: Location" || true; }
   fi
   lib=$(ldd build/mpi/"$mpi"/mpi4py/MPI.*.so | grep -oE 'lib(mpi|mpich)\.so[.0-9]*' | head -1)
   echo "build/mpi/$mpi: mpi4py linked against $lib"

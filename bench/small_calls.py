@@ -9,7 +9,8 @@ Each ladder step adds one layer to the one below it:
   _C call           a do-nothing call into pyallreduce._C from Python (pybind11)
   barrier           _C.agree: the protocol's start barrier alone (descriptors
                     published, flags signalled, peers' awaited and compared), from Python
-  C++ entry         _C.try_collective_eager: the whole all-reduce, from Python
+  C++ entry         the communicator's C++ all-reduce callable (_C.eager_all_reduce):
+                    the whole call, decisions included, from Python
   comm one_shot     Communicator.all_reduce_(t, algo="one_shot"): the public call
   comm auto         Communicator.all_reduce_(t): the public call, the crossover deciding
 Per step, the time per call is the slowest rank's over a batch of back-to-back
@@ -81,7 +82,7 @@ def run(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     comm = pyallreduce.Communicator(device="cpu")
-    handle = comm._engine.handle
+    handle, entry = comm._engine.handle, comm._eager.all_reduce
     # The floor between ranks 0's and 1's cores; none where they share one.
     cores = [None] * world
     dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)))
@@ -102,7 +103,7 @@ def run(args):
         steps = [
             ("_C call", lambda: _C.cpu_isa()),
             ("barrier", lambda: _C.agree(handle, code, nbytes, 0, False, True)),
-            ("C++ entry", lambda: _C.try_collective_eager(t, t, handle, _C.ONE_SHOT, False)),
+            ("C++ entry", lambda: entry(t, t, "sum", "one_shot")),
             ("comm one_shot", lambda: comm.all_reduce_(t, algo="one_shot")),
             ("comm auto", lambda: comm.all_reduce_(t)),
         ]

@@ -7,6 +7,8 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
 #include <array>
@@ -256,9 +258,9 @@ void run_guarded(CollectiveGuard& guard, Context& ctx, Body&& body) {
 }
 
 void run_on_context(Context& ctx, CollectiveImpl impl, const at::Tensor& input, at::Tensor& out,
-                    int64_t algo, bool average) {
+                    int64_t algo, bool average, bool checked = false) {
   CollectiveGuard guard(ctx);
-  check_collective_args(ctx, input, out, algo);
+  if (!checked) check_collective_args(ctx, input, out, algo);
   run_guarded(guard, ctx, [&] { impl(ctx, input, out, algo, average); });
 }
 
@@ -312,7 +314,8 @@ void agree(int64_t handle, int64_t dtype, int64_t nbytes, int64_t mode, bool ave
 // (kOneShot, kTwoShot, kReduceScatter, kAllGather). Returns false, having done
 // nothing, where the tensors cannot go to a kernel as they are (see
 // collective_args_problem); Communicator's general path then handles them.
-bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo, bool average) {
+namespace {
+bool collective_eager(Context& ctx, const at::Tensor& input, at::Tensor& out, int64_t algo, bool average) {
   // Whatever must see the op: dispatch modes, torch function modes, the JIT
   // tracer, and wrapper tensors (functorch's vmap/grad, functionalization,
   // Python subclasses), whose data is not theirs to hand to a kernel.
@@ -324,11 +327,10 @@ bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handl
       !input.has_storage() || !out.has_storage()) {
     return false;
   }
-  std::shared_ptr<Context> held = get_context(handle);
   CollectiveImpl impl = eager_impls[static_cast<size_t>(input.device().type())];
   const bool segmented = algo == kReduceScatter || algo == kAllGather;
   if (impl == nullptr || input.numel() == 0 || (!segmented && out.sizes() != input.sizes()) ||
-      !collective_args_problem(*held, input, out, algo).empty()) {
+      !collective_args_problem(ctx, input, out, algo).empty()) {
     return false;
   }
   // The op's name, so torch.profiler shows these calls as it shows the op's.
@@ -337,9 +339,132 @@ bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handl
                   : input.is_same(out)   ? "pyallreduce::all_reduce_"
                                          : "pyallreduce::all_reduce_out",
                   std::vector<c10::IValue>{});
-  run_on_context(*held, impl, input, out, algo, average);
+  run_on_context(ctx, impl, input, out, algo, average, /*checked=*/true);
   return true;
 }
+}  // namespace
+
+bool try_collective_eager(const at::Tensor& input, at::Tensor out, int64_t handle, int64_t algo, bool average) {
+  std::shared_ptr<Context> held = get_context(handle);  // outlives a concurrent close()
+  return collective_eager(*held, input, out, algo, average);
+}
+
+// ---- the eager all-reduce as one Python callable -------------------------------
+//
+// pyallreduce._C.eager_all_reduce(handle, two_shot_min_bytes, reference_min_bytes)
+// makes a communicator's eager all-reduce: call(src, dst, op, algo) -> dst
+// (dst None: a new tensor), or None having done nothing, which leaves the call
+// to the Communicator's general path. Every decision of a call is made here,
+// from what was fixed when the object was made (the context, the crossover
+// row), and the object is called through CPython's vectorcall: no argument
+// parsing, no handle lookup, no Python frame between the user's call and the
+// kernel (issue 40: the Python layers were half of a small call's time).
+// It declines what it does not decide itself: a tensor subclass, an op or
+// algo that is not one of the strings, keywords.
+namespace {
+
+struct EagerAllReduce {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  std::shared_ptr<Context>* ctx;  // owned; keeps the context alive through a concurrent close()
+  int64_t two_shot_min_bytes;
+  int64_t reference_min_bytes;  // < 0: the reference never wins
+};
+
+PyObject* interned(const char* text) {
+  static std::map<std::string, PyObject*> strings;  // made under the GIL, kept for the process
+  auto it = strings.find(text);
+  if (it == strings.end()) it = strings.emplace(text, PyUnicode_InternFromString(text)).first;
+  return it->second;
+}
+
+// Whether obj is the str `text` (an interned literal is the same object; a str made at run time compares).
+bool is_str(PyObject* obj, PyObject* text) {
+  return obj == text || (PyUnicode_CheckExact(obj) && PyUnicode_Compare(obj, text) == 0);
+}
+
+PyObject* eager_all_reduce_call(PyObject* callable, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  static PyObject* const sum = interned("sum");
+  static PyObject* const avg = interned("avg");
+  static PyObject* const automatic = interned("auto");
+  static PyObject* const one_shot = interned("one_shot");
+  static PyObject* const two_shot = interned("two_shot");
+  const auto* self = reinterpret_cast<EagerAllReduce*>(callable);
+  if (PyVectorcall_NARGS(nargsf) != 4 || kwnames != nullptr) Py_RETURN_NONE;
+  PyObject *src_obj = args[0], *dst_obj = args[1], *op = args[2], *algo = args[3];
+  if (!THPVariable_CheckExact(src_obj) || (dst_obj != Py_None && !THPVariable_CheckExact(dst_obj))) {
+    Py_RETURN_NONE;
+  }
+  bool average;
+  if (is_str(op, sum)) {
+    average = false;
+  } else if (is_str(op, avg)) {
+    average = true;
+  } else {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& src = THPVariable_Unpack(src_obj);
+  const auto dtype = src.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) Py_RETURN_NONE;
+  int64_t kernel;
+  if (is_str(algo, automatic)) {
+    const auto nbytes = static_cast<int64_t>(src.nbytes());
+    if (self->reference_min_bytes >= 0 && nbytes >= self->reference_min_bytes) Py_RETURN_NONE;
+    kernel = nbytes >= self->two_shot_min_bytes ? kTwoShot : kOneShot;
+  } else if (is_str(algo, one_shot)) {
+    kernel = kOneShot;
+  } else if (is_str(algo, two_shot)) {
+    kernel = kTwoShot;
+  } else {
+    Py_RETURN_NONE;
+  }
+  at::Tensor dst = dst_obj == Py_None ? at::empty_like(src) : THPVariable_Unpack(dst_obj);
+  bool ran;
+  {
+    pybind11::gil_scoped_release no_gil;  // while the ranks meet, as torch.ops calls do
+    ran = collective_eager(**self->ctx, src, dst, kernel, average);
+  }
+  if (!ran) Py_RETURN_NONE;
+  if (dst_obj != Py_None) {
+    Py_INCREF(dst_obj);
+    return dst_obj;
+  }
+  return THPVariable_Wrap(std::move(dst));
+  END_HANDLE_TH_ERRORS
+}
+
+void eager_all_reduce_dealloc(PyObject* obj) {
+  delete reinterpret_cast<EagerAllReduce*>(obj)->ctx;
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+PyTypeObject eager_all_reduce_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "pyallreduce._C.EagerAllReduce";
+  t.tp_basicsize = sizeof(EagerAllReduce);
+  t.tp_dealloc = eager_all_reduce_dealloc;
+  t.tp_vectorcall_offset = offsetof(EagerAllReduce, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_doc = "a communicator's eager all-reduce: call(src, dst, op, algo) -> dst, or None having done nothing";
+  return t;
+}();
+
+py::object make_eager_all_reduce(int64_t handle, int64_t two_shot_min_bytes, int64_t reference_min_bytes) {
+  std::shared_ptr<Context> ctx = get_context(handle);
+  if (PyType_Ready(&eager_all_reduce_type) < 0) throw py::error_already_set();
+  PyObject* obj = PyType_GenericAlloc(&eager_all_reduce_type, 0);
+  if (obj == nullptr) throw py::error_already_set();
+  auto* self = reinterpret_cast<EagerAllReduce*>(obj);
+  self->vectorcall = eager_all_reduce_call;
+  self->ctx = new std::shared_ptr<Context>(std::move(ctx));
+  self->two_shot_min_bytes = two_shot_min_bytes;
+  self->reference_min_bytes = reference_min_bytes;
+  return py::reinterpret_steal<py::object>(obj);
+}
+
+}  // namespace
 
 // pyallreduce._C.check: raises what a GPU kernel of this communicator recorded
 // (a mismatch, a deadline), which the calls themselves report only at the
@@ -459,6 +584,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("try_collective_eager", &try_collective_eager, py::arg("input"), py::arg("out"),
         py::arg("handle"), py::arg("algo"), py::arg("average"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("eager_all_reduce", &make_eager_all_reduce, py::arg("handle"), py::arg("two_shot_min_bytes"),
+        py::arg("reference_min_bytes"),
+        "a communicator's eager all-reduce as one callable (see csrc/module.cpp)");
   m.def("dtype_code", [](at::ScalarType t) { return dtype_code(t); }, py::arg("dtype"),
         "the dtype field of a call descriptor (protocol.h CallDesc)");
   m.def("desc_kind", [](uint32_t dtype, int64_t algo, uint32_t mode, bool average, bool in_place) {

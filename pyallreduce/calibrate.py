@@ -60,11 +60,14 @@ def measure(engine_class, group, rank, world_size, device, nblocks, timeout_s, k
     start = policy.winning_tail_start(SIZES, lambda s: per_size[s][0] / per_size[s][1] > policy.TWO_SHOT_MARGIN)
     measured = policy.Crossover(policy.NEVER if start is None else start, default.reference_min_bytes, True)
     if rank == 0:
+        ratios = ", ".join(f"{size >> 10} KiB {one / two:.2f}" for size, (one, two) in per_size.items())
         try:
             policy.remember(kind, world_size, measured)
+            # Information, not a warning (log_once warns): at INFO, once per kind and world size.
+            logs.logger.info("pyallreduce: measured the two-shot crossover on this machine (%s, %d ranks): %s "
+                             "(one-shot time / two-shot time: %s); kept in %s", kind, world_size,
+                             "never" if start is None else f"{start} bytes", ratios, policy.cache_file())
         except OSError as e:
             logs.log_once(f"could not keep the measured crossover in {policy.cache_file()} ({e}); "
                           f"it will be measured again (set {policy.CACHE_DIR_ENV} to a writable directory)")
-    logs.log_once(f"measured the two-shot crossover on this machine ({kind}, {world_size} ranks): "
-                  f"{measured.two_shot_min_bytes} bytes")
     return measured

@@ -20,7 +20,7 @@ TIMEOUT_S = 120  # a loaded 2-core CI box; the run itself takes ~20 s
 SIZES = [4 << 10, 32 << 10, 256 << 10]
 STATS = {"time_us", "p10_us", "p90_us", "algbw", "busbw"}
 ROW = {"backend", "size", "count", "type", "redop", "algo", "out_of_place", "in_place", "reference",
-       "speedup", "wrong", "deepspeed", "bound", "pct_of_bound", "run"}
+       "speedup", "wrong", "deepspeed", "mpi", "bound", "pct_of_bound", "run"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 

@@ -208,20 +208,25 @@ def sealed_beside_a_call(rank, world):
 
     comm = make_comm(timeout=60)
     x = torch.ones(1000)
+    want = torch.full((1000,), float(world))
     if rank == 1:
-        time.sleep(2.0)  # rank 0's call waits for this one meanwhile
-        assert torch.equal(comm.all_reduce(x), torch.full((1000,), float(world)))
+        time.sleep(4.0)  # rank 0's call waits for this one meanwhile
+        assert torch.equal(comm.all_reduce(x), want)
         comm.close()
         return None
-    ended = []
-    call = threading.Thread(target=lambda: ended.append((comm.all_reduce(x), time.monotonic())))
+    # The call writes `out` before it leaves the C++ call, so `out` says whether
+    # the call was over when seal_context returned. (Not the threads' clocks:
+    # which of them gets the GIL back first after both leave C++ is the
+    # scheduler's choice; on a loaded machine that order once flipped.)
+    out, ended = torch.zeros(1000), []
+    call = threading.Thread(target=lambda: ended.append(comm.all_reduce(x, out=out)))
     call.start()
-    time.sleep(0.5)
+    time.sleep(1.0)  # the call is waiting for rank 1 by then, on a loaded machine too
     _C.seal_context(comm._engine.handle)
-    sealed_at = time.monotonic()
+    over_when_sealed = torch.equal(out, want)
     call.join(60)
-    assert ended and torch.equal(ended[0][0], torch.full((1000,), float(world))), "the call in flight failed"
-    assert ended[0][1] <= sealed_at, "seal_context returned while the call of the other thread was in flight"
+    assert ended and torch.equal(ended[0], want), "the call in flight failed"
+    assert over_when_sealed, "seal_context returned while the call of the other thread was in flight"
     expect(RuntimeError, "this communicator is closed", comm._engine.all_reduce, x, x, _C.ONE_SHOT, False, 0)
     _C.abort_context(comm._engine.handle, False)  # still registered: found, nothing in flight
     comm.close()

@@ -181,3 +181,53 @@ def compiled_in_a_loop(rank, world):
 @pytest.mark.quick
 def test_a_compiled_step_in_a_loop_compiles_once():
     run_ranks(compiled_in_a_loop, 2, timeout=400)
+
+
+def eager_callable_declines_what_it_does_not_decide(rank, world):
+    """The eager all-reduce callable (_C.eager_all_reduce) runs the calls it
+    can decide whole and returns None, having done nothing, for every other;
+    the Communicator's general path then gives the same exact result."""
+    import torch.distributed as dist
+
+    comm = make_comm()
+    call = comm._eager.all_reduce
+    want = exact_sum(300, world, torch.float32)
+    x = exact_input(300, rank, torch.float32)
+    out = torch.full_like(x, -1.0)
+    assert call(x, out, "sum", "auto") is out and torch.equal(out, want)
+    fresh = call(x, None, "sum", "one_shot")
+    assert fresh is not None and fresh is not x and torch.equal(fresh, want)
+    average = call(x, None, "avg", "two_shot")
+    assert torch.equal(average, (want / world))
+    run_time_str = "".join(["s", "u", "m"])  # not the interned literal: compared, not identified
+    assert torch.equal(call(x, None, run_time_str, "auto"), want)
+
+    class Sub(torch.Tensor):
+        pass
+
+    untouched = torch.full_like(x, -1.0)
+    declined = [
+        (x.as_subclass(Sub), None, "sum", "auto"),  # a subclass sees the op
+        (x, untouched, dist.ReduceOp.SUM, "auto"),  # not a str: the general path parses it
+        (x, untouched, "max", "auto"),
+        (x, untouched, "sum", "three_shot"),
+        (x.double(), None, "sum", "auto"),  # a dtype the kernels do not reduce
+        (x, torch.empty(299), "sum", "auto"),  # out of another size
+        (x[::2], None, "sum", "auto"),  # not contiguous
+    ]
+    for args in declined:
+        assert call(*args) is None, args
+    assert call(x, untouched, "sum") is None and call(x, untouched, "sum", algo="auto") is None  # not 4 positionals
+    assert torch.equal(untouched, torch.full_like(x, -1.0)), "a declined call wrote its output"
+    # What it declines, the Communicator still serves, with the same result on every rank.
+    assert torch.equal(comm.all_reduce(x, op=dist.ReduceOp.SUM), want)
+    assert torch.equal(comm.all_reduce(x[::2].contiguous()), want[::2])
+    with pytest.raises(ValueError, match="op must be 'sum' or 'avg'"):
+        comm.all_reduce(x, op="max")
+    comm.close()
+    assert comm._eager.all_reduce(x, None, "sum", "auto") is None  # closed: declines (the general path raises)
+
+
+@pytest.mark.quick
+def test_the_eager_callable_runs_what_it_decides_and_declines_the_rest():
+    run_ranks(eager_callable_declines_what_it_does_not_decide, 2, timeout=120)
