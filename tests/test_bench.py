@@ -206,3 +206,28 @@ def test_busy_back_to_back_run_writes_per_call_medians_and_p99(tmp_path):
     assert row["bytes"] == 4096 and row["calls"] == 2 * 20  # every call of both repeats
     for backend in ("pyallreduce", "gloo"):
         assert 0 < row[f"{backend}_median_s"] <= row[f"{backend}_p99_s"]
+
+
+MPI_READY = {mpi: (bench_scripts.BENCH_DIR.parent / "build" / "mpi" / mpi / "mpi4py").is_dir()
+             and shutil.which(f"mpiexec.{mpi}") is not None for mpi in ("openmpi", "mpich")}
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_mpi_columns_are_timed_in_the_same_ranks_and_checked(tmp_path, mpi):
+    """--mpi: the ranks start under that MPI's launcher, and every row carries
+    its MPI_Allreduce's time and its own count of wrong elements (fp32 in
+    place, bf16 through fp32 copies, avg as a sum and a division)."""
+    if not MPI_READY[mpi]:
+        pytest.skip(f"no {mpi} with mpi4py built against it here: bash bench/mpi_setup.sh")
+    out = tmp_path / "mpi.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--nproc", "2", "--mpi", mpi, "--sizes", "1K:64K",
+           "--factor", "8", "--dtypes", "float32,bfloat16", "--ops", "sum,avg", "--algos", "auto", "--iters", "3",
+           "--warmup", "1", "--json", str(out)]
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["mpi"]["mpi"] == mpi and report["mpi"]["library"]
+    rows = report["rows"]
+    assert len(rows) == 3 * 2 * 2  # sizes (1K, 8K, 64K) x dtypes x ops
+    for r in rows:
+        assert set(r["mpi"]) == STATS | {"wrong"} and r["mpi"]["wrong"] == 0 and r["mpi"]["time_us"] > 0, r
