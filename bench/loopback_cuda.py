@@ -8,7 +8,21 @@ then stays in this GPU's memory, so the kernels' bytes moved per second are
 compared with a device-to-device copy measured in the same run: how close the
 kernels come to the memory system's copy rate, apart from NVLink.
 
-    python bench/loopback_cuda.py --world-sizes 2,4,8 --sizes 64K,1M,16M --dtype bfloat16
+    python bench/loopback_cuda.py --world-sizes 2,4,8 --sizes 256,4K,64K,1M,16M --dtype bfloat16
+
+Every size is timed twice: "graph", --iters calls captured in one CUDA graph and
+replayed (what a captured decode step pays), and "eager", the same calls
+launched one by one from Python (launch latency included). Beside them, per
+world size, the floors of a small call in the same run: an empty kernel launch
+(eager, and replayed in a graph) and a 16-byte all-reduce (one start barrier
+and one 16-byte read of every peer: a flag round trip between the ranks'
+kernels, and the least any all-reduce can take).
+
+On the emulated CUDA runtime (tests/emulated) the script runs the same code
+path for correctness (inputs are made on the host, results checked there) and
+prints its times labelled as host threads', not a GPU's; the empty kernel (a
+torch kernel, which the emulation does not run), the copy rate and the graph
+mode (the emulation captures no graph forked across streams) are skipped.
 
 Bytes moved per call (all W ranks, reads + writes, staged path):
   one-shot  W * (W + 3) * S   (copy-in S read + S written, W*S read, S written)
@@ -39,7 +53,7 @@ def parse_bytes(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", default="2,4,8", help="comma-separated rank counts (default 2,4,8)")
-    p.add_argument("--sizes", default="64K,256K,1M,4M,16M,32M",
+    p.add_argument("--sizes", default="256,4K,64K,256K,1M,4M,16M,32M",
                    help="bytes per rank per call, comma-separated, K/M/G suffixes")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--algos", default=",".join(ALGOS), help="one_shot,two_shot")
@@ -65,6 +79,23 @@ def bytes_moved(algo, world, nbytes):
     return world * per_rank
 
 
+def emulated():
+    return torch.cuda.get_device_name(0).startswith("Emulated")
+
+
+def timed_eager(launch, iters, reps):
+    """Seconds per launch() call: `iters` calls launched one by one, `reps` times."""
+    launch()  # warm-up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps * iters):
+        launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (reps * iters)
+
+
 def timed_graph(launch, iters, reps):
     """Seconds per launch() call: `iters` calls captured in one graph, replayed."""
     launch()  # warm-up, outside the capture
@@ -87,7 +118,7 @@ def timed_graph(launch, iters, reps):
 
 def copy_rate(device, iters, reps):
     """Bytes read + written per second by a device-to-device copy of COPY_BYTES."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device).random_()
+    src = torch.randint(0, 256, (COPY_BYTES,), dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)
     seconds = timed_graph(lambda: dst.copy_(src), iters, reps)
     return 2 * COPY_BYTES / seconds
@@ -132,6 +163,9 @@ class LoopbackGroup:
         self.handles, self.regions = [], []
 
 
+FLOOR_BYTES = 16  # the floor's all-reduce: one start barrier and one 16-byte read of every peer
+
+
 def run(args):
     import pyallreduce  # noqa: F401  (registers torch.ops.pyallreduce)
     from pyallreduce import _C
@@ -140,17 +174,29 @@ def run(args):
         print("skipped: pyallreduce was built without its CUDA kernels", file=sys.stderr)
         return 0
     torch.cuda.set_device(args.device)
+    device = torch.device("cuda", args.device)
     props = torch.cuda.get_device_properties(args.device)
+    on_emulation = emulated()
     dtype = DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
     max_bytes = -(-max(args.sizes) // _C.ALIGNMENT) * _C.ALIGNMENT
     algo_ids = {"one_shot": _C.ONE_SHOT, "two_shot": _C.TWO_SHOT}
-    copy = copy_rate(args.device, args.iters, args.reps)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, dtype {args.dtype}; "
-          f"device-to-device copy: {copy / 1e9:.1f} GB/s (read + write)")
-    header = (f"{'W':>2} {'blocks':>6} {'bytes':>10} {'algo':>8} {'time_us':>9} {'algbw':>7} "
+    timers = {"graph": timed_graph, "eager": timed_eager}
+    if on_emulation:
+        # The emulation captures no graph forked across streams (the launcher's fork and join).
+        timers = {"eager": timed_eager}
+        print("# EMULATED CUDA runtime (tests/emulated): the code path checked for correctness; the times are host "
+              "threads', not a GPU's; eager calls only (no capture forked across streams there), no empty-kernel "
+              "floor and no copy rate (torch kernels do not run there)")
+    copy = None if on_emulation else copy_rate(args.device, args.iters, args.reps)
+    print(f"# {props.name}, {props.multi_processor_count} SMs, dtype {args.dtype}; device-to-device copy: "
+          + (f"{copy / 1e9:.1f} GB/s (read + write)" if copy else "not measured"))
+    floors = {}
+    if not on_emulation:
+        for mode, timer in timers.items():
+            floors[f"empty kernel, {mode}"] = timer(lambda: torch.cuda._sleep(0), args.iters, args.reps) * 1e6
+    header = (f"{'W':>2} {'blocks':>6} {'bytes':>10} {'algo':>8} {'mode':>6} {'time_us':>9} {'algbw':>7} "
               f"{'busbw':>7} {'moved GB/s':>10} {'of copy':>7} {'#wrong':>6}")
-    print(header)
     rows = []
     for world in args.world_sizes:
         if not 1 <= world <= _C.MAX_RANKS:
@@ -158,26 +204,35 @@ def run(args):
             continue
         nblocks = args.nblocks or max(1, min(_C.MAX_BLOCKS, props.multi_processor_count // world))
         group = LoopbackGroup(_C, world, max_bytes, nblocks, args.timeout, args.device)
+        floor_text = ", ".join(f"{name} {us:.2f} us" for name, us in floors.items()) or "no empty-kernel floor here"
+        print(f"# W={world}: {floor_text}; the {FLOOR_BYTES}-byte rows are the flag round trip's floor")
+        print(header)
         try:
-            for nbytes in args.sizes:
-                numel = nbytes // elem
-                # Small integers: every sum over <= 8 ranks is exact in every dtype.
-                inputs = [((torch.arange(numel, device="cuda") * 7 + r * 5) % 9 - 4).to(dtype) for r in range(world)]
-                want = sum(x.double() for x in inputs).to(dtype)
-                for algo in args.algos:
-                    outs = [torch.full_like(x, 123) for x in inputs]
-                    seconds = timed_graph(group.launcher(inputs, outs, algo_ids[algo]), args.iters, args.reps)
-                    wrong = sum(int((o != want).sum().item()) for o in outs)
-                    moved = bytes_moved(algo, world, numel * elem) / seconds
-                    algbw = numel * elem / seconds
-                    row = dict(world_size=world, nblocks=nblocks, bytes=numel * elem, dtype=args.dtype, algo=algo,
-                               time_us=seconds * 1e6, algbw_GBps=algbw / 1e9,
-                               busbw_GBps=algbw * 2 * (world - 1) / world / 1e9,
-                               moved_GBps=moved / 1e9, fraction_of_copy=moved / copy, wrong=wrong)
-                    rows.append(row)
-                    print(f"{world:>2} {nblocks:>6} {row['bytes']:>10} {algo:>8} {row['time_us']:>9.2f} "
-                          f"{row['algbw_GBps']:>7.1f} {row['busbw_GBps']:>7.1f} {row['moved_GBps']:>10.1f} "
-                          f"{row['fraction_of_copy']:>7.1%} {wrong:>6}")
+            for nbytes in [FLOOR_BYTES, *args.sizes]:
+                numel = max(1, nbytes // elem)
+                # Small integers: every sum over <= 8 ranks is exact in every dtype. Made and
+                # checked on the host (the emulated runtime runs no torch kernel).
+                host = [((torch.arange(numel) * 7 + r * 5) % 9 - 4).to(dtype) for r in range(world)]
+                want = sum(x.double() for x in host).to(dtype)
+                inputs = [x.to(device) for x in host]
+                algos = ["one_shot"] if nbytes == FLOOR_BYTES else args.algos
+                for algo in algos:
+                    for mode, timer in timers.items():
+                        outs = [torch.full((numel,), 123, dtype=dtype).to(device) for _ in range(world)]
+                        seconds = timer(group.launcher(inputs, outs, algo_ids[algo]), args.iters, args.reps)
+                        wrong = sum(int((o.cpu() != want).sum().item()) for o in outs)
+                        moved = bytes_moved(algo, world, numel * elem) / seconds
+                        algbw = numel * elem / seconds
+                        row = dict(world_size=world, nblocks=nblocks, bytes=numel * elem, dtype=args.dtype,
+                                   algo=algo, mode=mode, floor=nbytes == FLOOR_BYTES, time_us=seconds * 1e6,
+                                   algbw_GBps=algbw / 1e9, busbw_GBps=algbw * 2 * (world - 1) / world / 1e9,
+                                   moved_GBps=moved / 1e9, fraction_of_copy=moved / copy if copy else None,
+                                   wrong=wrong)
+                        rows.append(row)
+                        of_copy = f"{row['fraction_of_copy']:>7.1%}" if copy else f"{'':>7}"
+                        print(f"{world:>2} {nblocks:>6} {row['bytes']:>10} {algo:>8} {mode:>6} "
+                              f"{row['time_us']:>9.2f} {row['algbw_GBps']:>7.1f} {row['busbw_GBps']:>7.1f} "
+                              f"{row['moved_GBps']:>10.1f} {of_copy} {wrong:>6}")
         finally:
             group.close()
 
@@ -186,9 +241,10 @@ def run(args):
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"loopback_cuda-{props.name.replace(' ', '_')}-{stamp}.json"
     path.write_text(json.dumps(dict(
-        benchmark="loopback_cuda", device=props.name, sms=props.multi_processor_count,
+        benchmark="loopback_cuda", device=props.name, sms=props.multi_processor_count, emulated=on_emulation,
         torch=torch.__version__, cuda=torch.version.cuda, host=platform.node(),
-        copy_GBps=copy / 1e9, iters=args.iters, reps=args.reps, rows=rows), indent=2))
+        copy_GBps=copy / 1e9 if copy else None, floors_us=floors, iters=args.iters, reps=args.reps, rows=rows),
+        indent=2))
     print(f"# wrote {path}")
     return 1 if any(r["wrong"] for r in rows) else 0
 

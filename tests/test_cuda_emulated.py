@@ -164,3 +164,27 @@ def test_compare_nccl_runs_the_gpu_path_on_the_emulation(emulated_env, tmp_path)
     assert report["machine"]["emulated"] is True
     rows = report["rows"]
     assert len(rows) == 2 * 2 * 3 and all(r["wrong"] == 0 and r["backend"] == "cuda" for r in rows), rows
+
+
+def test_loopback_cuda_small_calls_and_floors_on_the_emulation(emulated_env, tmp_path):
+    """bench/loopback_cuda.py, which bench/gpu_check.sh runs on a lent GPU, on
+    the emulated runtime: W ranks in one process on one GPU, from 256 B, and
+    the 16-byte floor rows, each exact; its times labelled as the emulation's.
+    Eager calls only: the emulation captures no graph forked across streams
+    (the graph mode ran on the H100 and H200 of 2026-11-26), and it runs no
+    torch kernel (no empty-kernel floor, no copy rate)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "loopback_cuda.py"), "--world-sizes", "2,3",
+                           "--sizes", "256,4K,64K", "--dtype", "bfloat16", "--nblocks", "2", "--iters", "2",
+                           "--reps", "2", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=emulated_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "EMULATED CUDA runtime" in proc.stdout, proc.stdout[-3000:]
+    (result,) = tmp_path.glob("loopback_cuda-*.json")
+    report = json.loads(result.read_text())
+    assert report["emulated"] is True and report["floors_us"] == {} and report["copy_GBps"] is None
+    rows = report["rows"]
+    # per world size: the floor (one_shot), then 3 sizes x 2 algos, eager
+    assert len(rows) == 2 * (1 + 3 * 2) and {r["mode"] for r in rows} == {"eager"}, rows
+    assert all(r["wrong"] == 0 for r in rows), [r for r in rows if r["wrong"]]
+    assert {(r["world_size"], r["bytes"]) for r in rows if r["floor"]} == {(2, 16), (3, 16)}
+    assert {r["bytes"] for r in rows} == {16, 256, 4096, 65536}
