@@ -370,17 +370,12 @@ class MpiAllreduce:
     and a division, as gloo's reference) and no bfloat16 (the 16-bit types go
     as fp32 copies, what a user of MPI does; the copies are timed with it)."""
 
-    name = "mpi"
-
     def __init__(self, mpi):
         self.MPI = import_mpi4py(mpi)
         self.comm = self.MPI.COMM_WORLD
         self.world = self.comm.Get_size()
         self.version = self.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         self.mpi = mpi
-
-    def supports(self, dtype, op):
-        return True
 
     def call(self, t, op):
         """The in-place all-reduce of t as a callable."""
@@ -406,9 +401,6 @@ class MpiAllreduce:
 
     def describe(self):
         return {"mpi": self.mpi, "library": self.version}
-
-    def close(self):
-        pass
 
 
 # ---- the measurement ------------------------------------------------------------------
