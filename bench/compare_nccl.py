@@ -555,11 +555,9 @@ def format_row(r, others):
 
 
 def machine_description(device, world):
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor())
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpu": cpu_model, "cores": os.cpu_count(),
+        "host": socket.gethostname(), "cpu": policy.cpu_model(), "cores": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "pyallreduce": pyallreduce.__version__, "python": platform.python_version(),
         "world_size": world, "device": str(device), "device_kind": policy.device_kind(device),

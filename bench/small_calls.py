@@ -20,7 +20,6 @@ of a microsecond), median and p90 over the batches.
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import pyallreduce
 from pyallreduce import _C
 
+from compare_nccl import machine_description
 from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -92,14 +92,14 @@ def run(args):
                              dtype=torch.float64)
         dist.broadcast(floor, 0)
         floor_us = floor.item()
-    say(f"# pyallreduce {pyallreduce.__version__}, {world} ranks, {platform.processor() or ''} "
-        f"{Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}")
+    machine = machine_description(torch.device("cpu"), world)
+    say(f"# pyallreduce {pyallreduce.__version__}, {world} ranks, {machine['cpu']}")
     say(f"# cache line round trip between the ranks' cores: "
         f"{'n/a (ranks share cores)' if floor_us is None else f'{floor_us * 1e3:.0f} ns'}")
+    code = _C.dtype_code(torch.float32)
     results = []
     for nbytes in args.sizes:
         t = torch.zeros(nbytes // 4)  # zeros stay zeros however often summed (no inf, no denormals)
-        code = _C.dtype_code(torch.float32)
         steps = [
             ("_C call", lambda: _C.cpu_isa()),
             ("barrier", lambda: _C.agree(handle, code, nbytes, 0, False, True)),
@@ -120,12 +120,8 @@ def run(args):
         if not torch.equal(t, torch.full_like(t, world * (world + 1) // 2)):
             raise SystemExit(f"rank {rank}: wrong all-reduce result at {nbytes} B")
     if rank == 0 and args.json:
-        args.json.write_text(json.dumps({
-            "machine": {"cpu": Path("/proc/cpuinfo").read_text().split("model name")[1].split(":")[1]
-                        .splitlines()[0].strip(), "cores": os.cpu_count(), "world_size": world,
-                        "torch": torch.__version__, "pyallreduce": pyallreduce.__version__,
-                        "python": platform.python_version()},
-            "cache_line_round_trip_us": floor_us, "batch": BATCH, "rows": results}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"machine": machine, "cache_line_round_trip_us": floor_us, "batch": BATCH,
+                                         "rows": results}, indent=2) + "\n")
     comm.close()
     dist.destroy_process_group()
     return 0
