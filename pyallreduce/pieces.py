@@ -14,6 +14,18 @@ def _contiguous_out(dst):
 
 def reduce_in_chunks(run, src, dst, per_call):
     """All-reduce src into dst (dst may be src) in chunks of at most per_call elements."""
+    if torch.compiler.is_compiling():
+        # Traced, each chunk goes into a tensor of its own and one copy joins
+        # them: given chunks written into slices of one buffer, torch 2.4's
+        # inductor made a kernel that reads 5x past a buffer's end (a
+        # segfault now and then; seen in CI's torch 2.4.1 row).
+        flat_src = src.contiguous().view(-1)
+        chunks = [flat_src[start:start + per_call] for start in range(0, flat_src.numel(), per_call)]
+        outs = [torch.empty_like(chunk) for chunk in chunks]
+        for chunk, out in zip(chunks, outs):
+            run(chunk, out)
+        dst.copy_(torch.cat(outs).view(dst.shape))
+        return
     dst_c = _contiguous_out(dst)
     flat_src, flat_dst = src.contiguous().view(-1), dst_c.view(-1)
     for start in range(0, flat_src.numel(), per_call):

@@ -41,6 +41,9 @@ declare -A EXTRAS=(
   [2.13.0]="triton==3.6.0 numpy<2.4"
   [2.11.0]="numpy<2.4"  # its Triton is 3.6
   [2.8.0]=""            # its Triton is 3.4: refused as 2.4's
+  [2.7.1]=""            # Triton 3.3
+  [2.6.0]=""            # Triton 3.2
+  [2.5.1]=""            # Triton 3.1
   [2.4.1]=""            # its Triton is 3.0, which the Triton engine refuses (>= 3.6)
   [2.15.0]=""
 )
