@@ -18,11 +18,22 @@ that aborts) is drawn too. The steps:
                  must keep the Work contract (tests/work_contract.py)
   threads        both slots' communicators used at once by two threads per rank
   close          a slot's communicator closed (collectively)
+  close racing   a communicator's close() on the main thread while another
+                 thread's call on it runs or is about to: the call ends exact
+                 or raises a named error (closed; a peer that closed first
+                 never arrived, within the communicator's short deadline),
+                 and close() returns after it
   abort          one rank's call waits for peers that never make it, and a
                  watchdog thread aborts it: the call raises a named error, the
                  other ranks abort theirs without it
   regroup        the "pyallreduce" group destroyed and a new one made (its
                  communicators closed first, as a program must)
+
+and, where asked (explore(..., victim=R)), an ending in which rank R is
+killed (SIGKILL: no close, no finalizer), in the state the steps left: every
+survivor's next call on each communicator it holds, and on the "pyallreduce"
+group, raises "rank R's process has exited" within seconds, and it closes
+them and leaves nothing mapped.
 
 Invariants: every call returns the exact result (integer-valued inputs) or
 the step's expected named error; every thread and Work ends within its bound;
@@ -33,8 +44,10 @@ replays it.
 """
 import argparse
 import contextlib
+import os
 import random
 import re
+import signal
 import threading
 import time
 
@@ -50,6 +63,11 @@ FALLBACK_DTYPES = (torch.int64, torch.float64)
 NUMELS = (1, 7, 257, 4099, 70_001)  # 70_001 fp32 elements pass the largest staging size below
 MAX_BYTES = (4 << 10, 64 << 10, 256 << 10)
 JOIN_S = 60.0  # bound on every thread a step starts; far above any step on a loaded 2-core VM
+# A dead peer's pid is checked while a call waits: far sooner than the communicators' 60 s deadline.
+DEATH_SEEN_S = 30.0
+# The deadline of the communicator whose close races a call: a rank whose peer
+# closed before calling waits this long, then raises naming that peer.
+RACING_TIMEOUT_S = 3.0
 
 
 def expected_reduction(inputs, average):
@@ -65,7 +83,8 @@ def expected_reduction(inputs, average):
 
 
 class Explorer:
-    STEP_KINDS = ("construct", "call", "call", "backend", "backend", "threads", "close", "abort", "regroup")
+    STEP_KINDS = ("construct", "call", "call", "backend", "backend", "threads", "close", "close_racing", "abort",
+                  "regroup")
 
     def __init__(self, rank, world, seed):
         self.rank, self.world, self.rng = rank, world, random.Random(seed)
@@ -217,6 +236,35 @@ class Explorer:
             self.slots[slot] = None
         return f"close slot {slot}"
 
+    def close_racing(self):
+        numel, delay = self.rng.choice(NUMELS), self.rng.choice((0.0, 0.0005, 0.005, 0.05))
+        comm = pyallreduce.Communicator(device="cpu", max_bytes=4 << 10, timeout=RACING_TIMEOUT_S)
+        x, every = self.inputs(numel, torch.float32)
+        out, ended = torch.full_like(x, float("nan")), []
+
+        def call():
+            try:
+                comm.all_reduce(x, out=out)
+                ended.append(("returned", None))
+            except RuntimeError as e:
+                ended.append(("raised", str(e)))
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        time.sleep(delay)
+        comm.close()
+        out_when_closed = out.clone()
+        self.joined([thread])
+        how, value = ended[0]
+        if how == "returned":  # then close() waited for it: its out was written before close() returned
+            assert torch.equal(out, expected_reduction(every, False)), "close racing a call: wrong result"
+            assert torch.equal(out_when_closed, out), "close() returned before the call on another thread ended"
+        else:
+            assert re.search(r"this communicator is closed|closed or aborted on another thread during this call|"
+                             r"rank\(s\) \d.* never arrived", value), f"close racing a call raised: {value}"
+        dist.barrier()  # every rank is past its peers' short deadlines before the next step
+        return f"close racing a call of {numel} after {delay * 1e3:g} ms"  # its end may differ between ranks
+
     def abort(self):
         slot, victim = self.rng.randrange(2), self.rng.randrange(self.world)
         comm = self.comm(slot)
@@ -254,9 +302,35 @@ class Explorer:
             self.close(slot)
         dist.destroy_process_group(self.group)
 
+    def die(self, victim):
+        """The victim is killed; each survivor's calls raise that it exited."""
+        if self.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dead = rf"rank {victim}'s process has exited"
+        calls = [(f"slot {slot}", dead, lambda comm=comm: comm.all_reduce(torch.ones(64)))
+                 for slot, comm in enumerate(self.slots) if comm is not None]
+        # The group's first call on a device makes its communicator over the
+        # inner gloo group: then gloo's own error, which names the cause too.
+        calls.append(("the pyallreduce group", rf"{dead}|gloo.*Connection (closed|reset) by peer.*remote worker",
+                      lambda: dist.all_reduce(torch.ones(64), group=self.group)))
+        for what, expected, call in calls:
+            start = time.monotonic()
+            try:
+                call()
+                raise AssertionError(f"a call on {what} returned although rank {victim} is dead")
+            except RuntimeError as e:
+                assert re.search(expected, str(e)), f"a call on {what}: {expected!r} not in: {e}"
+            took = time.monotonic() - start
+            assert took < DEATH_SEEN_S, f"a call on {what} took {took:.0f} s to see that rank {victim} died"
+        for slot in (0, 1):
+            self.close(slot)
+        dist.destroy_process_group(self.group)
+        return f"rank {victim} killed; {len(calls)} calls raised"
 
-def explore(rank, world, seed, steps, device_type="cpu"):
-    """Runs `steps` random steps of `seed`; returns the steps taken."""
+
+def explore(rank, world, seed, steps, device_type="cpu", victim=None):
+    """Runs `steps` random steps of `seed`, then ends (victim: killing that
+    rank); returns the steps taken (a survivor's, where one was killed)."""
     from launch import own_segments_mapped
 
     explorer, taken = (CudaExplorer if device_type == "cuda" else Explorer)(rank, world, seed), []
@@ -267,15 +341,19 @@ def explore(rank, world, seed, steps, device_type="cpu"):
             explorer.made.clear()
             done = getattr(explorer, kind)()
             taken[-1] = "; ".join([*explorer.made, done])
-        explorer.end()
-        taken.append("end")
+        if victim is not None:
+            taken.append(explorer.die(victim))
+        else:
+            explorer.end()
+            taken.append("end")
         mapped = own_segments_mapped()
         assert not mapped, f"still mapped after every communicator closed: {mapped}"
     except BaseException as e:
         history = "\n".join(f"  {i}: {s}" for i, s in enumerate(taken))
         raise AssertionError(f"explorer seed {seed} (world {world}) failed at step {len(taken) - 1}: {e!r}\n"
                              f"steps:\n{history}\nreplay: python tests/explorer.py --seed {seed} "
-                             f"--steps {steps} --world {world} --device {device_type}") from e
+                             f"--steps {steps} --world {world} --device {device_type}"
+                             f"{'' if victim is None else f' --kill {victim}'}") from e
     return taken
 
 
@@ -287,8 +365,11 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--kill", type=int, default=None, metavar="RANK", help="end by killing this rank (CPU)")
     args = p.parse_args()
-    for step in run_ranks(explore, args.world, args.seed, args.steps, args.device, timeout=600)[0]:
+    survivor = 1 if args.kill == 0 else 0
+    for step in run_ranks(explore, args.world, args.seed, args.steps, args.device, args.kill, timeout=600,
+                          expect_exit={} if args.kill is None else {args.kill: -signal.SIGKILL})[survivor]:
         print(step)
 
 

@@ -1,11 +1,12 @@
 """The seeded lifecycle explorer (tests/explorer.py) on the CPU engine, in CI:
 fixed seeds at 2, 3 and 4 ranks, under a minute in all on the 2-core
-VM. PYALLREDUCE_EXPLORER_SEEDS="first:count" runs more seeds (each at 2
+VM, and three more that end by killing a rank. PYALLREDUCE_EXPLORER_SEEDS="first:count" runs more seeds (each at 2
 ranks) by hand. A failure names the seed and the steps that led to it.
 
 On CUDA communicators (CudaExplorer): on a GPU, and in CI on the emulated
 runtime's two devices (tests/test_cuda_emulated.py runs this file there)."""
 import os
+import signal
 
 import pytest
 import torch
@@ -29,6 +30,21 @@ def test_explorer(world, seed, steps):
     taken = run_ranks(explore, world, seed, steps, timeout=300)
     assert all(t == taken[0] for t in taken), "the ranks took different steps"
     assert taken[0][-1] == "end" and len(taken[0]) == steps + 1
+    assert leaked_segments() == [], "shared-memory segments left in /dev/shm"
+
+
+# (world size, seed, steps, the rank killed at the end): a rank's death in
+# whatever state the steps left (slots on either group, after aborts, regroups).
+KILLED_RUNS = [(2, 300, 20, 1), (3, 301, 20, 0), (4, 302, 12, 2)]
+
+
+@pytest.mark.parametrize("world,seed,steps,victim", KILLED_RUNS)
+def test_explorer_ending_in_a_killed_rank(world, seed, steps, victim):
+    taken = run_ranks(explore, world, seed, steps, "cpu", victim, timeout=300,
+                      expect_exit={victim: -signal.SIGKILL})
+    survivors = [t for r, t in enumerate(taken) if r != victim]
+    assert all(t == survivors[0] for t in survivors), "the survivors took different steps"
+    assert survivors[0][-1].startswith(f"rank {victim} killed") and len(survivors[0]) == steps + 1
     assert leaked_segments() == [], "shared-memory segments left in /dev/shm"
 
 
