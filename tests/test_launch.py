@@ -1,8 +1,10 @@
 """tests/launch.py itself: when the ranks' gloo group cannot form (before any
 rank runs the test's function), run_ranks starts the ranks again once, and
-then fails saying so."""
+then fails saying so; a rank that reported but never exits fails the test,
+within its timeout."""
 import socket
 import threading
+import time
 
 import pytest
 
@@ -50,3 +52,17 @@ def test_a_group_that_never_forms_fails_saying_so(monkeypatch, closing_port):
     monkeypatch.setattr(launch, "free_port", lambda: closing_port)
     with pytest.raises(launch.RankFailure, match="could not join the gloo group"):
         launch.run_ranks(_rank, 2, timeout=120)
+
+
+def _rank_that_never_exits(rank, world):
+    if rank == 1:  # not a daemon: the rank's process waits for it as it exits
+        threading.Thread(target=threading.Event().wait).start()
+    return rank
+
+
+def test_a_rank_that_reported_but_never_exits_fails_the_test(monkeypatch):
+    monkeypatch.setattr(launch, "EXIT_GRACE_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailure, match=r"rank 1 exited with code None, expected 0"):
+        launch.run_ranks(_rank_that_never_exits, 2, timeout=10)
+    assert time.monotonic() - start < 40
