@@ -70,8 +70,12 @@ void destroy_context(int64_t handle, bool keep_alive) {
 std::shared_ptr<Context> get_context(int64_t handle) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry.find(handle);
+  // Handles are never reused: one below next_handle was closed, maybe by
+  // another thread between the steps of this call (or a compiled graph kept it).
+  TORCH_CHECK(it != registry.end() || handle < 1 || handle >= next_handle, "pyallreduce: communicator handle ",
+              handle, " was closed (before this call, or by another thread during it); create a new Communicator");
   TORCH_CHECK(it != registry.end(), "pyallreduce: communicator handle ", handle,
-              " is closed or was never created; create a new Communicator");
+              " was never created; create a new Communicator");
   return it->second;
 }
 

@@ -20,7 +20,8 @@ from . import _C, calibrate, live, logs, ops, reference  # noqa: F401  (ops: fak
 from .arguments import (algo_id, average_or_none, check_tensor, data, gathered_shape, output, parse_op,
                         scattered_shape, staging_bytes, timeout_seconds)
 from .eager import OFF, EagerPath
-from .engines import check_capture_entry, engine_class, resolve_backend, resolve_device, stream_capturing
+from .engines import (CLOSED_DURING_CALL, check_capture_entry, engine_class, resolve_backend, resolve_device,
+                      stream_capturing)
 from .group import agree_on_group
 from .pieces import reduce_in_chunks, scatter_or_gather_in_pieces
 from .protocol import COLLECTIVE_NAMES, REDUCED_DTYPES, described_bytes, not_reduced_reason, partial_overlap_problem
@@ -426,6 +427,5 @@ class Communicator:
         close() or abort() on another thread ended it since the call began."""
         engine = self._engine
         if engine is None:
-            raise RuntimeError("pyallreduce: this communicator was closed or aborted on another thread during "
-                               "this call; create a new Communicator (or process group) on the ranks that go on")
+            raise RuntimeError(CLOSED_DURING_CALL)
         return engine

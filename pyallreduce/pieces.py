@@ -17,8 +17,8 @@ def reduce_in_chunks(run, src, dst, per_call):
     if torch.compiler.is_compiling():
         # Traced, each chunk goes into a tensor of its own and one copy joins
         # them: given chunks written into slices of one buffer, torch 2.4's
-        # inductor made a kernel that reads 5x past a buffer's end (a
-        # segfault now and then; seen in CI's torch 2.4.1 row).
+        # inductor made a kernel that read the whole tensor's length from the
+        # last chunk's buffer (a segfault now and then; seen in CI's 2.4.1 row).
         flat_src = src.contiguous().view(-1)
         chunks = [flat_src[start:start + per_call] for start in range(0, flat_src.numel(), per_call)]
         outs = [torch.empty_like(chunk) for chunk in chunks]

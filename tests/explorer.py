@@ -261,6 +261,7 @@ class Explorer:
             assert torch.equal(out_when_closed, out), "close() returned before the call on another thread ended"
         else:
             assert re.search(r"this communicator is closed|closed or aborted on another thread during this call|"
+                             r"was closed \(before this call, or by another thread during it\)|"
                              r"rank\(s\) \d.* never arrived", value), f"close racing a call raised: {value}"
         dist.barrier()  # every rank is past its peers' short deadlines before the next step
         return f"close racing a call of {numel} after {delay * 1e3:g} ms"  # its end may differ between ranks

@@ -57,11 +57,16 @@ def bad_input(rank, world):
     expect(RuntimeError, "exceed the staging buffer", torch.ops.pyallreduce.all_reduce, torch.ones(1 << 20),
            comm._engine.handle, 0, False)
     expect(RuntimeError, "unknown algorithm id 7", torch.ops.pyallreduce.all_reduce, x, comm._engine.handle, 7, False)
-    expect(RuntimeError, "handle 999999 is closed or was never created", torch.ops.pyallreduce.all_reduce, x,
+    expect(RuntimeError, "handle 999999 was never created", torch.ops.pyallreduce.all_reduce, x,
            999999, 0, False)
+    handle = comm._engine.handle
     comm.close()
     comm.close()  # twice is fine
     expect(RuntimeError, "communicator is closed", comm.all_reduce, x)
+    # A closed communicator's handle (kept by a compiled graph, or read by a call before
+    # another thread closed it) says that it was closed.
+    expect(RuntimeError, rf"handle {handle} was closed \(before this call, or by another thread during it\)",
+           torch.ops.pyallreduce.all_reduce, x, handle, 0, False)
     # Construction errors.
     expect(ValueError, "backend must be one of", pyallreduce.Communicator, backend="nccl")
     expect(ValueError, "backend='cuda' needs a CUDA device", pyallreduce.Communicator, backend="cuda", device="cpu")

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from ..transport import Transport
 
 BACKENDS = ("auto", "cuda", "triton", "cpu")
+# What a call raises that a close() or abort() on another thread ended
+# between its steps (chunks, pieces, the agreement and the fallback).
+CLOSED_DURING_CALL = ("pyallreduce: this communicator was closed or aborted on another thread during this call; "
+                      "create a new Communicator (or process group) on the ranks that go on")
 
 
 class Engine(Protocol):

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .. import _C
-from . import make_transport, no_graph_table
+from . import CLOSED_DURING_CALL, make_transport, no_graph_table
 
 # The op overloads themselves: calling them skips torch.ops' overload resolution.
 _all_reduce_out = torch.ops.pyallreduce.all_reduce_out.default
@@ -50,20 +50,26 @@ class NativeEngine:
         """(this rank's GPU, how many blocks of our kernels it holds at once), or None."""
         return None
 
+    def _handle_of_call(self) -> int:
+        handle = self.handle  # read once: a close() on another thread clears it
+        if handle is None:  # (one that closed it after the call read the handle: csrc's get_context says so)
+            raise RuntimeError(CLOSED_DURING_CALL)
+        return handle
+
     def all_reduce(self, src, dst, algo, average, call):
         if src is dst:
-            _all_reduce_inplace(dst, self.handle, algo, average)
+            _all_reduce_inplace(dst, self._handle_of_call(), algo, average)
         else:
-            _all_reduce_out(src, dst, self.handle, algo, average)
+            _all_reduce_out(src, dst, self._handle_of_call(), algo, average)
 
     def scatter_or_gather(self, collective, src, dst, average, call):
         if collective == _C.REDUCE_SCATTER:
-            _reduce_scatter_out(src, dst, self.handle, average)
+            _reduce_scatter_out(src, dst, self._handle_of_call(), average)
         else:
-            _all_gather_out(src, dst, self.handle)
+            _all_gather_out(src, dst, self._handle_of_call())
 
     def agree(self, dtype_code, nbytes, mode, average, in_place, collective, call, device):
-        _C.agree(self.handle, dtype_code, nbytes, mode, average, in_place, collective)
+        _C.agree(self._handle_of_call(), dtype_code, nbytes, mode, average, in_place, collective)
 
     def piece_bytes(self, collective, element_size):
         return None  # the host kernels run reduce-scatter and all-gather of any size in rounds
