@@ -323,9 +323,7 @@ class Explorer:
                 assert re.search(expected, str(e)), f"a call on {what}: {expected!r} not in: {e}"
             took = time.monotonic() - start
             assert took < DEATH_SEEN_S, f"a call on {what} took {took:.0f} s to see that rank {victim} died"
-        for slot in (0, 1):
-            self.close(slot)
-        dist.destroy_process_group(self.group)
+        self.end()
         return f"rank {victim} killed; {len(calls)} calls raised"
 
 

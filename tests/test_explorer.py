@@ -1,7 +1,8 @@
 """The seeded lifecycle explorer (tests/explorer.py) on the CPU engine, in CI:
 fixed seeds at 2, 3 and 4 ranks, under a minute in all on the 2-core
-VM, and three more that end by killing a rank. PYALLREDUCE_EXPLORER_SEEDS="first:count" runs more seeds (each at 2
-ranks) by hand. A failure names the seed and the steps that led to it.
+VM, and three more that end by killing a rank. PYALLREDUCE_EXPLORER_SEEDS=
+"first:count" runs more seeds (each at 2 ranks) by hand. A failure names the
+seed and the steps that led to it.
 
 On CUDA communicators (CudaExplorer): on a GPU, and in CI on the emulated
 runtime's two devices (tests/test_cuda_emulated.py runs this file there)."""
