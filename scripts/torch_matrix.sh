@@ -39,7 +39,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 declare -A EXTRAS=(
   [2.13.0]="triton==3.6.0 numpy<2.4"
+  [2.12.1]="numpy<2.4"
   [2.11.0]="numpy<2.4"  # its Triton is 3.6
+  [2.10.0]="numpy<2.4"
+  [2.9.1]="numpy<2.4"
   [2.8.0]=""            # its Triton is 3.4: refused as 2.4's
   [2.7.1]=""            # Triton 3.3
   [2.6.0]=""            # Triton 3.2

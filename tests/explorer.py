@@ -378,9 +378,10 @@ class CudaExplorer(Explorer):
     and change them between communicators: tests/test_explorer.py). Without the
     torch.distributed backend's steps (its CUDA inner backend is NCCL, which
     the emulation lacks) and with kernel dtypes only (torch's own CUDA kernels
-    do not run there); with registered buffers and graph capture and replay."""
+    do not run there); with registered buffers, graph capture and replay, and
+    a close racing another thread's call."""
 
-    STEP_KINDS = ("construct", "call", "call", "register", "capture", "threads", "close", "abort")
+    STEP_KINDS = ("construct", "call", "call", "register", "capture", "threads", "close", "close_racing", "abort")
     # Not 4 KiB: a CUDA reduce-scatter's segments need more staging, or it goes to
     # torch.distributed, whose own CUDA kernels the emulation does not run.
     MAX_BYTES = MAX_BYTES[1:]
@@ -403,7 +404,7 @@ class CudaExplorer(Explorer):
             numel = min(numel, NUMELS[3] * (self.world if collective == "reduce_scatter" else 1))
         return collective, dtype, numel, op, algo
 
-    def construct(self, slot=None):
+    def construct(self, slot=None, timeout=60):
         import pyallreduce
 
         slot = self.rng.randrange(2) if slot is None else slot
@@ -418,7 +419,7 @@ class CudaExplorer(Explorer):
             refused, opened = self.imports(devices)
             try:
                 comm = pyallreduce.Communicator(device=torch.device("cuda", devices[self.rank]), backend="cuda",
-                                                max_bytes=max_bytes, timeout=60, nblocks=4)
+                                                max_bytes=max_bytes, timeout=timeout, nblocks=4)
             except ValueError as e:
                 # Ranks sharing a GPU whose blocks the live communicators hold:
                 # refused on every rank, before any probe (the emulated GPU holds 8).
@@ -499,6 +500,48 @@ class CudaExplorer(Explorer):
             assert torch.equal(out.cpu(), expected_reduction(every, op == "avg")), \
                 f"replay of {dtype} x{numel} {op} {algo}: wrong result"
         return f"capture {dtype} x{numel} {op} {algo} on slot {slot}, {replays} replays"
+
+    def close_racing(self):
+        """A slot's close() racing a call of another thread on it. The call
+        raises that the communicator closed, or it launched its kernel before
+        close() sealed the communicator; then close() waits for that kernel
+        before it frees what the kernel uses (the status record, the peers'
+        mappings): on every rank whose call launched, a result exact where
+        every rank's did. A kernel whose peer closed first gives up at the
+        short deadline, and close() drops what it recorded: comm.check()
+        before close() is how a program learns of it (README)."""
+        slot, numel = self.rng.randrange(2), self.rng.choice(NUMELS)
+        delay = self.rng.choice((0.0, 0.0005, 0.005, 0.05))
+        self.made.append(self.construct(slot, timeout=RACING_TIMEOUT_S))
+        comm = self.slots[slot]
+        x, every = self.inputs(numel, torch.float32)
+        # Copies, not torch kernels: the emulation runs none.
+        x, out, ended = x.to(comm.device), torch.full_like(x, float("nan")).to(comm.device), []
+
+        def call():
+            try:
+                with self.thread_stream(comm):
+                    comm.all_reduce(x, out=out)
+                ended.append(("launched", None))
+            except RuntimeError as e:
+                ended.append(("raised", str(e)))
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        time.sleep(delay)
+        comm.close()
+        self.slots[slot] = None
+        self.joined([thread])
+        how, value = ended[0]
+        if how == "raised":
+            assert re.search(r"this communicator is closed|closed or aborted on another thread during this call|"
+                             r"was closed \(before this call, or by another thread during it\)", value), \
+                f"close racing a call raised: {value}"
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, how)
+        if all(h == "launched" for h in everyone):  # close() returned after the kernel: out is final
+            assert torch.equal(out.cpu(), expected_reduction(every, False)), "close racing a call: wrong result"
+        return f"close racing a call of {numel} on slot {slot} after {delay * 1e3:g} ms"  # ends may differ
 
     def abort(self):
         """A CUDA call returns once its kernel is launched: the victim's kernel

@@ -360,9 +360,10 @@ def _tensor_parallel(rank, world_size, store_file):
     return _train_on_both(train, store_file, "the row-parallel all-reduces")
 
 
-@pytest.mark.skipif(torch.__version__ < (2, 8), reason="torch's gloo itself hangs in destroy_process_group after "
-                    "this DTensor training before 2.8 (2.4.1: 1 run in 9 at 4 ranks, without pyallreduce; 2.7.1: 1 run "
-                    "in 5 at 2 ranks, in destroying the gloo group that trained, before any pyallreduce group existed)")
+@pytest.mark.skipif(torch.__version__ < (2, 8), reason="torch's gloo itself can hang in destroy_process_group before "
+                    "2.8 (scripts/gloo_destroy_hang.py), which this test calls on the gloo group that trained the "
+                    "reference (2.4.1: 1 run in 9 at 4 ranks; 2.7.1: 1 run in 5 at 2 ranks, before any pyallreduce "
+                    "group existed)")
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_row_and_column_parallel_linear_matches_gloo(tmp_path, world):
     assert_matches_gloo(run_ranks(_tensor_parallel, world, str(tmp_path / "store"), timeout=TIMEOUT * 2), world)

@@ -137,7 +137,8 @@ def test_cuda_explorer_on_the_emulated_runtime(emulated_env):
     """tests/explorer.py's CudaExplorer (test_explorer.py::test_cuda_explorer):
     its seeds' random lifecycles of CUDA communicators on the emulation's two
     GPUs, ranks on either, with registration, capture and replay, threads,
-    close and abort, and IPC imports CUDA refuses."""
+    close, a close racing another thread's call, abort, and IPC imports CUDA
+    refuses."""
     from test_explorer import CUDA_RUNS
 
     rc, out = run_pytest_on_emulation(emulated_env, str(ROOT / "tests" / "test_explorer.py"), "-k", "cuda")
