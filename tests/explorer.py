@@ -378,10 +378,12 @@ class CudaExplorer(Explorer):
     and change them between communicators: tests/test_explorer.py). Without the
     torch.distributed backend's steps (its CUDA inner backend is NCCL, which
     the emulation lacks) and with kernel dtypes only (torch's own CUDA kernels
-    do not run there); with registered buffers, graph capture and replay, and
-    a close racing another thread's call."""
+    do not run there); with registered buffers, graph capture and replay,
+    calls beside another thread's capture, and a close racing another
+    thread's call."""
 
-    STEP_KINDS = ("construct", "call", "call", "register", "capture", "threads", "close", "close_racing", "abort")
+    STEP_KINDS = ("construct", "call", "call", "register", "capture", "beside_capture", "threads", "close",
+                  "close_racing", "abort")
     # Not 4 KiB: a CUDA reduce-scatter's segments need more staging, or it goes to
     # torch.distributed, whose own CUDA kernels the emulation does not run.
     MAX_BYTES = MAX_BYTES[1:]
@@ -393,6 +395,7 @@ class CudaExplorer(Explorer):
         # (cudaIpcOpenMemHandle), for the life of the process here (the
         # emulation's reading): per rank, (peer, its GPU) -> the GPU that did.
         self.importing = [{} for _ in range(world)]
+        self.home = None  # the GPUs of the first construction that served
         self.kept_mapped = False  # an abort after captures kept its mappings (until the process exits)
 
     def drawn_call(self, kernels_only=True):
@@ -401,7 +404,9 @@ class CudaExplorer(Explorer):
         torch copy, which the emulation does not run."""
         collective, dtype, numel, op, algo = super().drawn_call(kernels_only=True)
         if collective in ("reduce_scatter", "all_gather"):
-            numel = min(numel, NUMELS[3] * (self.world if collective == "reduce_scatter" else 1))
+            # Every rank's segment, in fp32, within the smallest staging buffer.
+            segment = max(n for n in NUMELS if n * self.world * 4 <= self.MAX_BYTES[0])
+            numel = min(numel, segment * (self.world if collective == "reduce_scatter" else 1))
         return collective, dtype, numel, op, algo
 
     def construct(self, slot=None, timeout=60):
@@ -415,6 +420,10 @@ class CudaExplorer(Explorer):
                 # imports CUDA still allows, or the blocks: as a user would, close it.
                 self.made.append(self.close(1 - slot))
             devices = [self.rng.randrange(torch.cuda.device_count()) for _ in range(self.world)]
+            if tries >= 40 and self.home is not None:
+                # At 4 ranks on two GPUs few draws stay that the imports allow:
+                # the GPUs of the first construction always do.
+                devices = self.home
             max_bytes = self.rng.choice(self.MAX_BYTES)
             refused, opened = self.imports(devices)
             try:
@@ -430,6 +439,7 @@ class CudaExplorer(Explorer):
                 self.importing[r][peer_gpu] = gpu
             if not refused:
                 assert comm.fallback_reason is None, comm.fallback_reason
+                self.home = self.home or devices
                 self.slots[slot] = comm
                 return f"construct slot {slot} on GPUs {devices}, max_bytes {max_bytes}"
             # A rank's GPU may not import a peer GPU's handles that another GPU
@@ -542,6 +552,30 @@ class CudaExplorer(Explorer):
         if all(h == "launched" for h in everyone):  # close() returned after the kernel: out is final
             assert torch.equal(out.cpu(), expected_reduction(every, False)), "close racing a call: wrong result"
         return f"close racing a call of {numel} on slot {slot} after {delay * 1e3:g} ms"  # ends may differ
+
+    def beside_capture(self):
+        """In-place calls and a check() on a slot while another thread of every
+        rank captures a CUDA graph in global mode: none of our calls may be one
+        that global mode prohibits (it would invalidate that capture), in
+        whatever state the steps left the communicator (its first call, after
+        captures, registrations or another slot's abort). The tensors are made
+        and read outside: torch's own allocations and copies would be such calls."""
+        from other_capture import another_threads_capture
+
+        slot, calls = self.rng.randrange(2), self.rng.randint(1, 3)
+        comm = self.comm(slot)
+        drawn = [self.drawn_call() for _ in range(calls)]
+        inputs = [self.inputs(numel, dtype) for _, dtype, numel, _, _ in drawn]
+        on_gpu = [x.to(comm.device) for x, _ in inputs]
+        torch.cuda.synchronize(comm.device)
+        with another_threads_capture(JOIN_S, comm.device) as errors:
+            for x, (_, _, _, op, algo) in zip(on_gpu, drawn):
+                comm.all_reduce_(x, op=op, algo=algo)
+            comm.check()
+        assert not errors, f"the other thread's capture failed: {errors[0]!r}"
+        for x, (_, every), (_, _, _, op, _) in zip(on_gpu, inputs, drawn):
+            assert torch.equal(x.cpu(), expected_reduction(every, op == "avg")), "beside a capture: wrong result"
+        return f"beside another thread's capture, {[d[1:] for d in drawn]} in place on slot {slot}"
 
     def abort(self):
         """A CUDA call returns once its kernel is launched: the victim's kernel

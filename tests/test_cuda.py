@@ -6,7 +6,6 @@ processes time-slice there, so nothing here measures speed.
 
 Skipped without a GPU or without the CUDA kernels in the build.
 """
-import contextlib
 import hashlib
 import os
 import sys
@@ -30,6 +29,7 @@ if not _C.WITH_CUDA:
     pytest.skip("pyallreduce was built without its CUDA kernels", allow_module_level=True)
 
 from launch import raises_when_a_watchdog_aborts, run_ranks, wait_for_file  # noqa: E402
+from other_capture import another_threads_capture  # noqa: E402
 from reference import (DTYPES, MISMATCHED_CALLS, exact_input, exact_sum, fp32_reduction, random_input,  # noqa: E402
                        tolerance, triton_kernels_unusable)
 
@@ -594,35 +594,6 @@ def check_deadline_names_the_missing_rank(rank, world):
         comm.close()
 
 
-@contextlib.contextmanager
-def another_threads_capture():
-    """Another thread captures a CUDA graph on its own stream in global mode
-    (torch.cuda.graph's default) for the duration; yields the list of what that
-    capture raised, complete once the block is left."""
-    capturing, done, errors = threading.Event(), threading.Event(), []
-
-    def capture():
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin()
-                capturing.set()
-                done.wait(RUN_TIMEOUT)
-                graph.capture_end()
-        except Exception as e:  # noqa: BLE001 (the caller decides)
-            errors.append(e)
-        capturing.set()
-
-    thread = threading.Thread(target=capture)
-    thread.start()
-    try:
-        assert capturing.wait(RUN_TIMEOUT)
-        yield errors
-    finally:
-        done.set()
-        thread.join()
-
-
 def check_beside_another_threads_capture(rank, world):
     """Another thread of the process captures a CUDA graph in global mode
     (torch.cuda.graph's default) while this one makes collective calls, checks,
@@ -633,7 +604,7 @@ def check_beside_another_threads_capture(rank, world):
     torch.cuda.set_device(0)
     comm = make_comm()
     x = on_gpu(exact_input(1000, rank, torch.float32, 3))
-    with another_threads_capture() as errors:
+    with another_threads_capture(RUN_TIMEOUT) as errors:
         comm.all_reduce_(x)
         comm.check()  # waits for our kernels
         with pytest.raises(RuntimeError, match="disagree"):  # raised once our kernels are done
@@ -676,7 +647,7 @@ def check_close_after_captures_beside_another_threads_capture(rank, world):
 
     comm, graph, out = captured_and_replayed(rank)
     parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
-    with another_threads_capture():  # whatever it raised: undocumented (see above)
+    with another_threads_capture(RUN_TIMEOUT):  # whatever it raised: undocumented (see above)
         with pytest.raises(RuntimeError, match=r"closing the communicator failed on rank 0: .*CUDA cannot wait "
                                                r"for the whole device while one of its streams is being captured.*"
                                                r"after that capture ends"):
@@ -706,7 +677,7 @@ def check_abort_after_captures_waits_for_nothing_on_the_device(rank, world):
     comm, graph, out = captured_and_replayed(rank)
     assert torch.equal(out.cpu(), exact_sum(1000, world, torch.float32, 4))
     parked_before, mapped = len(cuda_ipc._parked), peer_mappings()
-    with another_threads_capture() as errors:
+    with another_threads_capture(RUN_TIMEOUT) as errors:
         comm.abort()
     assert not errors, f"the other thread's capture failed: {errors[0]}"
     assert len(cuda_ipc._parked) == parked_before + 1, "the region stays allocated"
@@ -745,7 +716,7 @@ def check_capture_exit_beside_another_threads_capture(rank, world):
     with torch.cuda.graph(graph):
         out = comm.all_reduce(x, algo="two_shot")  # out of place: would read x in place
     mapped = peer_mappings()
-    with another_threads_capture():  # whatever it raised: undocumented (check_close_after_...)
+    with another_threads_capture(RUN_TIMEOUT):  # whatever it raised: undocumented (check_close_after_...)
         capture.__exit__(None, None, None)
     assert _C.cuda_graph_entry_modes(comm._engine.handle)[entries_before:] == [0], "the entry changed: not staged"
     assert peer_mappings() == mapped, "a peer's input was mapped for an entry nobody may write"
@@ -891,7 +862,7 @@ def check_backend_beside_another_threads_capture(rank, world, store_file):
     dist.init_process_group("pyallreduce", init_method=f"file://{store_file}", rank=rank, world_size=world)
     dist.all_reduce(on_gpu(torch.ones(8)))  # the communicator, made before: its construction allocates
     x, y = on_gpu(exact_input(1000, rank, torch.float32, 12)), on_gpu(exact_input(3000, rank, torch.float32, 13))
-    with another_threads_capture() as errors:
+    with another_threads_capture(RUN_TIMEOUT) as errors:
         dist.all_reduce(x)  # the C++ fast path
         work = dist.all_reduce(y, async_op=True)
         work.wait()

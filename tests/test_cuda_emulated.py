@@ -136,9 +136,9 @@ def test_the_emulated_runtime_keeps_cuda_rules(emulated_env, tmp_path):
 def test_cuda_explorer_on_the_emulated_runtime(emulated_env):
     """tests/explorer.py's CudaExplorer (test_explorer.py::test_cuda_explorer):
     its seeds' random lifecycles of CUDA communicators on the emulation's two
-    GPUs, ranks on either, with registration, capture and replay, threads,
-    close, a close racing another thread's call, abort, and IPC imports CUDA
-    refuses."""
+    GPUs, ranks on either, with registration, capture and replay, calls
+    beside another thread's capture, threads, close, a close racing another
+    thread's call, abort, and IPC imports CUDA refuses."""
     from test_explorer import CUDA_RUNS
 
     rc, out = run_pytest_on_emulation(emulated_env, str(ROOT / "tests" / "test_explorer.py"), "-k", "cuda")

@@ -50,7 +50,7 @@ def test_explorer_ending_in_a_killed_rank(world, seed, steps, victim):
 
 
 # (world size, seed, steps), 10 to 50 s each on the emulated runtime.
-CUDA_RUNS = [(2, 0, 30), (2, 2, 30), (2, 3, 30), (2, 5, 30), (3, 7, 20)]
+CUDA_RUNS = [(2, 0, 30), (2, 2, 30), (2, 3, 30), (2, 5, 30), (3, 7, 20), (4, 11, 20)]
 
 
 @pytest.mark.parametrize("world,seed,steps", CUDA_RUNS)
