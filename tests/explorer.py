@@ -68,6 +68,9 @@ DEATH_SEEN_S = 30.0
 # The deadline of the communicator whose close races a call: a rank whose peer
 # closed before calling waits this long, then raises naming that peer.
 RACING_TIMEOUT_S = 3.0
+# What a call raises when a close() on another thread ended it or came first.
+CLOSED_PATTERN = (r"this communicator is closed|closed or aborted on another thread during this call|"
+                      r"was closed \(before this call, or by another thread during it\)")
 
 
 def expected_reduction(inputs, average):
@@ -240,31 +243,38 @@ class Explorer:
         numel, delay = self.rng.choice(NUMELS), self.rng.choice((0.0, 0.0005, 0.005, 0.05))
         comm = pyallreduce.Communicator(device="cpu", max_bytes=4 << 10, timeout=RACING_TIMEOUT_S)
         x, every = self.inputs(numel, torch.float32)
-        out, ended = torch.full_like(x, float("nan")), []
-
-        def call():
-            try:
-                comm.all_reduce(x, out=out)
-                ended.append(("returned", None))
-            except RuntimeError as e:
-                ended.append(("raised", str(e)))
-
-        thread = threading.Thread(target=call)
-        thread.start()
-        time.sleep(delay)
-        comm.close()
-        out_when_closed = out.clone()
-        self.joined([thread])
-        how, value = ended[0]
+        out = torch.full_like(x, float("nan"))
+        (how, value), out_when_closed = self.race_close(comm, delay, lambda: comm.all_reduce(x, out=out),
+                                                        when_closed=out.clone)
         if how == "returned":  # then close() waited for it: its out was written before close() returned
             assert torch.equal(out, expected_reduction(every, False)), "close racing a call: wrong result"
             assert torch.equal(out_when_closed, out), "close() returned before the call on another thread ended"
         else:
-            assert re.search(r"this communicator is closed|closed or aborted on another thread during this call|"
-                             r"was closed \(before this call, or by another thread during it\)|"
-                             r"rank\(s\) \d.* never arrived", value), f"close racing a call raised: {value}"
+            assert re.search(CLOSED_PATTERN + r"|rank\(s\) \d.* never arrived", value), \
+                f"close racing a call raised: {value}"
         dist.barrier()  # every rank is past its peers' short deadlines before the next step
         return f"close racing a call of {numel} after {delay * 1e3:g} ms"  # its end may differ between ranks
+
+    def race_close(self, comm, delay, call, when_closed=lambda: None):
+        """call() on another thread, comm.close() on this one `delay` seconds
+        after it starts: (("returned", None) or ("raised", its message), what
+        when_closed() gave right after close() returned)."""
+        ended = []
+
+        def run():
+            try:
+                call()
+                ended.append(("returned", None))
+            except RuntimeError as e:
+                ended.append(("raised", str(e)))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(delay)
+        comm.close()
+        seen = when_closed()
+        self.joined([thread])
+        return ended[0], seen
 
     def abort(self):
         slot, victim = self.rng.randrange(2), self.rng.randrange(self.world)
@@ -526,30 +536,19 @@ class CudaExplorer(Explorer):
         comm = self.slots[slot]
         x, every = self.inputs(numel, torch.float32)
         # Copies, not torch kernels: the emulation runs none.
-        x, out, ended = x.to(comm.device), torch.full_like(x, float("nan")).to(comm.device), []
+        x, out = x.to(comm.device), torch.full_like(x, float("nan")).to(comm.device)
 
         def call():
-            try:
-                with self.thread_stream(comm):
-                    comm.all_reduce(x, out=out)
-                ended.append(("launched", None))
-            except RuntimeError as e:
-                ended.append(("raised", str(e)))
+            with self.thread_stream(comm):
+                comm.all_reduce(x, out=out)  # returns once its kernel is launched
 
-        thread = threading.Thread(target=call)
-        thread.start()
-        time.sleep(delay)
-        comm.close()
+        (how, value), _ = self.race_close(comm, delay, call)
         self.slots[slot] = None
-        self.joined([thread])
-        how, value = ended[0]
         if how == "raised":
-            assert re.search(r"this communicator is closed|closed or aborted on another thread during this call|"
-                             r"was closed \(before this call, or by another thread during it\)", value), \
-                f"close racing a call raised: {value}"
+            assert re.search(CLOSED_PATTERN, value), f"close racing a call raised: {value}"
         everyone = [None] * self.world
         dist.all_gather_object(everyone, how)
-        if all(h == "launched" for h in everyone):  # close() returned after the kernel: out is final
+        if all(h == "returned" for h in everyone):  # close() returned after the kernels: out is final
             assert torch.equal(out.cpu(), expected_reduction(every, False)), "close racing a call: wrong result"
         return f"close racing a call of {numel} on slot {slot} after {delay * 1e3:g} ms"  # ends may differ
 
