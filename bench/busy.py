@@ -1,9 +1,11 @@
 """All-reduce on a machine that is not idle: more ranks than cores, and other
-processes competing for them. Compares pyallreduce with gloo, alternating.
+processes competing for them. Compares pyallreduce with gloo (and with an
+MPI's MPI_Allreduce under --mpi), alternating.
 
     python bench/busy.py                                  # 4 CPU ranks; loads 0 and 2; writes nothing
     python bench/busy.py --nproc 4 --loads 0,2 --ddp --json bench/results/busy-cpu-4ranks.json
     python bench/busy.py --back-to-back --nproc 2 --loads 2,4,compile --json bench/results/busy-b2b-cpu-2ranks.json
+    python bench/busy.py --back-to-back --mpi openmpi --backends pyallreduce,mpi   # against Open MPI only
 
 Compute between calls (the default): each rank runs --iters iterations of a
 slice of real compute (a small matmul repeated k times, k drawn per rank and
@@ -26,7 +28,13 @@ Conditions (--loads):
 
 With --ddp, bench/ddp_train.py also runs under each load (DDP's own gloo
 all-reduce against pyallreduce's hook), --repeats times. Each condition runs
-the two backends alternately, --repeats times, and reports the medians.
+the backends alternately, --repeats times, and reports the medians.
+
+--mpi openmpi|mpich starts the ranks with that MPI's launcher (bench/mpi_setup.sh
+sets it up) and adds its in-place MPI_Allreduce (through mpi4py, as
+compare_nccl.py times it) as a backend: MPI spins or yields while it waits as it
+sees fit (Open MPI yields when its launcher sees more ranks than cores), the
+load is the same for all.
 """
 import argparse
 import json
@@ -43,9 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from local_ranks import add_launch_arguments, init_group, spawn_ranks, under_torchrun
+from local_ranks import (MPIS, MpiAllreduce, add_launch_arguments, adopt_mpi_rank, init_group, spawn_ranks,
+                         under_torchrun)
 
-BACKENDS = ("pyallreduce", "gloo")
+BACKENDS = ("pyallreduce", "gloo", "mpi")
 HERE = Path(__file__).resolve().parent
 
 
@@ -70,8 +79,19 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="measurements per backend and size (default 3)")
     p.add_argument("--ddp", action="store_true", help="also run bench/ddp_train.py under each load")
     p.add_argument("--ddp-steps", type=int, default=20, help="timed DDP steps per run (default 20)")
+    p.add_argument("--mpi", choices=MPIS, help="also time this MPI's MPI_Allreduce (the ranks start under its launcher)")
+    p.add_argument("--backends", help="comma list of pyallreduce, gloo, mpi (default: pyallreduce and gloo, "
+                   "and mpi with --mpi); the first is the one the others are divided by")
     p.add_argument("--json", type=Path, help="write configuration and results here")
     args = p.parse_args(argv)
+    args.backends = (args.backends or "pyallreduce,gloo" + (",mpi" if args.mpi else "")).split(",")
+    unknown = set(args.backends) - set(BACKENDS)
+    if unknown or not args.backends:
+        p.error(f"--backends: {sorted(unknown)} not among {BACKENDS}")
+    if "mpi" in args.backends and not args.mpi:
+        p.error("--backends mpi needs --mpi openmpi|mpich")
+    if args.ddp and args.backends[:2] != ["pyallreduce", "gloo"]:
+        p.error("--ddp compares pyallreduce's hook with DDP's gloo: keep --backends pyallreduce,gloo[,mpi]")
     if args.sizes is None:
         args.sizes = "256,4K,64K,1M,16M" if args.back_to_back else "4K,64K,1M"
     return args
@@ -122,16 +142,15 @@ def rank_main(args):
     import pyallreduce
 
     comm = pyallreduce.Communicator(device="cpu")
-    reducers = {
-        "pyallreduce": comm.all_reduce_,
-        "gloo": lambda t: dist.all_reduce(t),
-    }
+    mpi = MpiAllreduce(args.mpi) if "mpi" in args.backends else None
     rows = []
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         x = torch.ones(size // 4)
-        times = {b: [] for b in BACKENDS}
+        mpi_call = mpi.call(x, "sum") if mpi else None  # bound to x's NumPy view once, as compare_nccl.py's
+        reducers = {"pyallreduce": comm.all_reduce_, "gloo": dist.all_reduce, "mpi": lambda t: mpi_call()}
+        times = {b: [] for b in args.backends}
         for rep in range(args.repeats):
-            for backend in BACKENDS:
+            for backend in args.backends:
                 x.fill_(1.0)
                 if args.back_to_back:
                     mine = call_seconds(reducers[backend], x, calls_for(size, args))
@@ -144,7 +163,7 @@ def rank_main(args):
                     dist.all_gather_object(every, mine)
                     times[backend].append(max(every))
         if args.back_to_back:
-            rows.append(dict(bytes=size, calls=len(times["gloo"]),
+            rows.append(dict(bytes=size, calls=len(times[args.backends[0]]),
                              **{f"{b}_median_s": statistics.median(t) for b, t in times.items()},
                              **{f"{b}_p99_s": percentile(t, 0.99) for b, t in times.items()}))
         else:
@@ -152,7 +171,7 @@ def rank_main(args):
                              **{f"{b}_runs_s": t for b, t in times.items()}))
     comm.close()
     if dist.get_rank() == 0:
-        Path(os.environ["BUSY_OUT"]).write_text(json.dumps(rows))
+        Path(os.environ["BUSY_OUT"]).write_text(json.dumps(dict(rows=rows, mpi=mpi.describe() if mpi else None)))
     dist.destroy_process_group()
 
 
@@ -196,33 +215,43 @@ def run_ddp(args):
     return {mode: statistics.median(r[mode] for r in runs) for mode in runs[0]}, runs
 
 
-def print_rows(load, rows, back_to_back):
+def print_header(args, cores):
+    others = args.backends[1:]
+    if args.back_to_back:
+        print(f"# {args.nproc} ranks on {cores} cores, fp32, back to back; per call (slowest rank), "
+              f"median and p99 over {args.repeats} alternating runs, microseconds; x: their time / ours")
+        cols = [f"{args.backends[0]} med", "p99"] + [c for b in others for c in (f"{b} med", "p99", "x med", "x p99")]
+    else:
+        print(f"# {args.nproc} ranks on {cores} cores, fp32, {args.iters} iterations "
+              f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}, "
+              f"seconds; x: their time / ours")
+        cols = [f"{args.backends[0]} s"] + [c for b in others for c in (f"{b} s", "x")]
+    print(f"{'load':>7} {'size':>8} " + " ".join(f"{c:>12}" for c in cols))
+
+
+def print_rows(load, rows, args):
+    ours, others = args.backends[0], args.backends[1:]
     for r in rows:
-        if back_to_back:
-            ours, gloo = r["pyallreduce_median_s"], r["gloo_median_s"]
-            print(f"{load:>7} {r['bytes']:>8} {ours * 1e6:>10.1f} {r['pyallreduce_p99_s'] * 1e6:>10.1f} "
-                  f"{gloo * 1e6:>10.1f} {r['gloo_p99_s'] * 1e6:>10.1f} {gloo / ours:>8.2f} "
-                  f"{r['gloo_p99_s'] / r['pyallreduce_p99_s']:>8.2f}")
+        if args.back_to_back:
+            cells = [r[f"{ours}_median_s"] * 1e6, r[f"{ours}_p99_s"] * 1e6]
+            for b in others:
+                cells += [r[f"{b}_median_s"] * 1e6, r[f"{b}_p99_s"] * 1e6,
+                          r[f"{b}_median_s"] / r[f"{ours}_median_s"], r[f"{b}_p99_s"] / r[f"{ours}_p99_s"]]
+            text = " ".join(f"{c:>12.1f}" if i < 2 or (i - 2) % 4 < 2 else f"{c:>12.2f}" for i, c in enumerate(cells))
         else:
-            ours, gloo = r["pyallreduce_loop_s"], r["gloo_loop_s"]
-            print(f"{load:>7} {r['bytes']:>8} {ours:>14.3f} {gloo:>10.3f} {gloo / ours:>10.2f}")
+            cells = [r[f"{ours}_loop_s"]] + [c for b in others for c in (r[f"{b}_loop_s"],
+                                                                          r[f"{b}_loop_s"] / r[f"{ours}_loop_s"])]
+            text = " ".join(f"{c:>12.3f}" for c in cells)
+        print(f"{load:>7} {r['bytes']:>8} {text}")
 
 
 def main():
     args = parse_args()
-    if under_torchrun():
+    if under_torchrun() or adopt_mpi_rank():
         return rank_main(args)
     conditions = []
     cores = len(os.sched_getaffinity(0))
-    if args.back_to_back:
-        print(f"# {args.nproc} ranks on {cores} cores, fp32, back to back; per call (slowest rank), "
-              f"median and p99 over {args.repeats} alternating runs, microseconds")
-        print(f"{'load':>7} {'size':>8} {'ours med':>10} {'ours p99':>10} {'gloo med':>10} {'gloo p99':>10} "
-              f"{'x med':>8} {'x p99':>8}")
-    else:
-        print(f"# {args.nproc} ranks on {cores} cores, fp32, {args.iters} iterations "
-              f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}")
-        print(f"{'load':>7} {'size':>8} {'pyallreduce s':>14} {'gloo s':>10} {'gloo/ours':>10}")
+    print_header(args, cores)
     for load in args.loads.split(","):
         load = load if load == "compile" else int(load)
         procs = start_load(load)
@@ -230,22 +259,25 @@ def main():
             with tempfile.TemporaryDirectory() as tmp:
                 os.environ["BUSY_OUT"] = str(Path(tmp) / "rows.json")
                 os.environ.setdefault("OMP_NUM_THREADS", "1")
-                code = spawn_ranks(__file__, args.nproc)
+                code = spawn_ranks(__file__, args.nproc, mpi=args.mpi)
                 if code:
                     sys.exit(f"a rank failed with exit code {code}")
-                rows = json.loads(Path(os.environ["BUSY_OUT"]).read_text())
+                out = json.loads(Path(os.environ["BUSY_OUT"]).read_text())
+                rows, mpi_library = out["rows"], out["mpi"]
             loadavg = os.getloadavg()  # the 1-minute average: the run is about that long
             ddp, ddp_runs = run_ddp(args) if args.ddp else (None, None)
         finally:
             stop_load(procs)
-        print_rows(load, rows, args.back_to_back)
+        print_rows(load, rows, args)
         if ddp:
             print(f"{load:>7} {'DDP step':>8} {ddp['pyallreduce']:>14.4f} {ddp['default']:>10.4f} "
                   f"{ddp['default'] / ddp['pyallreduce']:>10.2f}")
         print(f"# load average after load {load}: {loadavg[0]:.2f} (1 min), {loadavg[1]:.2f} (5 min)")
-        conditions.append(dict(load=load, loadavg=loadavg, rows=rows, ddp_step_s=ddp, ddp_runs_step_s=ddp_runs))
+        conditions.append(dict(load=load, loadavg=loadavg, rows=rows, ddp_step_s=ddp, ddp_runs_step_s=ddp_runs,
+                               mpi=mpi_library))
     if args.json:
         doc = dict(nproc=args.nproc, cores=cores, back_to_back=args.back_to_back, iters=args.iters,
+                   backends=args.backends, mpi=args.mpi,
                    work=args.work, calls=args.calls, repeats=args.repeats,
                    cpu=platform.processor() or platform.machine(), host=platform.node(),
                    torch=torch.__version__, date=time.strftime("%Y-%m-%d"), conditions=conditions)

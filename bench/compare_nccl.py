@@ -34,7 +34,7 @@ import pyallreduce
 from pyallreduce import policy
 from pyallreduce.communicator import DEFAULT_MAX_BYTES
 
-from local_ranks import (MPIS, add_launch_arguments, adopt_mpi_rank, emulated_cuda, import_mpi4py, init_group,
+from local_ranks import (MPIS, MpiAllreduce, add_launch_arguments, adopt_mpi_rank, emulated_cuda, init_group,
                          spawn_ranks, under_torchrun)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -360,47 +360,6 @@ class DeepSpeedShm:
 
     def close(self):
         self.shm_path.unlink(missing_ok=True)
-
-
-# ---- MPI ---------------------------------------------------------------------------------
-
-class MpiAllreduce:
-    """An MPI's MPI_Allreduce in place, as a torch user calls it through
-    mpi4py: on the tensor's NumPy view (no copy). MPI has no average (a sum
-    and a division, as gloo's reference) and no bfloat16 (the 16-bit types go
-    as fp32 copies, what a user of MPI does; the copies are timed with it)."""
-
-    def __init__(self, mpi):
-        self.MPI = import_mpi4py(mpi)
-        self.comm = self.MPI.COMM_WORLD
-        self.world = self.comm.Get_size()
-        self.version = self.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-        self.mpi = mpi
-
-    def call(self, t, op):
-        """The in-place all-reduce of t as a callable."""
-        MPI, comm, world = self.MPI, self.comm, self.world
-        if t.dtype == torch.float32:
-            view = t.numpy()
-
-            def run():
-                comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
-                if op == "avg":
-                    t.div_(world)
-            return run
-        wide = t.float()
-        view = wide.numpy()
-
-        def run_wide():
-            wide.copy_(t)
-            comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
-            if op == "avg":
-                wide.div_(world)
-            t.copy_(wide)
-        return run_wide
-
-    def describe(self):
-        return {"mpi": self.mpi, "library": self.version}
 
 
 # ---- the measurement ------------------------------------------------------------------

@@ -509,7 +509,7 @@ namespace {
 
 int64_t create_context(const std::vector<int64_t>& regions, int64_t rank, int64_t max_bytes,
                        int64_t nblocks, double timeout_s, int64_t device,
-                       const std::vector<int64_t>& pids) {
+                       const std::vector<int64_t>& pids, bool ranks_outnumber_cores) {
   using namespace pyallreduce;
   const int64_t world = static_cast<int64_t>(regions.size());
   TORCH_CHECK(world >= 1 && world <= kMaxRanks, "pyallreduce: world size ", world,
@@ -530,6 +530,7 @@ int64_t create_context(const std::vector<int64_t>& regions, int64_t rank, int64_
   ctx->device = static_cast<int>(device);
   for (int64_t q = 0; q < world; ++q) ctx->regions[q] = reinterpret_cast<char*>(regions[q]);
   ctx->pids = pids;
+  ctx->ranks_outnumber_cores = ranks_outnumber_cores;
   return register_context(std::move(ctx));
 }
 
@@ -573,7 +574,7 @@ PYBIND11_MODULE(_C, m) {
         "reduce-scatter's distance between segments in staging (protocol.h)");
   m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
-        py::arg("pids"));
+        py::arg("pids"), py::arg("ranks_outnumber_cores") = false);
   // Both wait for a call in flight on another thread, which may need the GIL to finish.
   m.def(
       "seal_context", [](int64_t handle) { seal_context(handle); }, py::arg("handle"),

@@ -34,6 +34,22 @@ TWO_SHOT_MARGIN = 1.1
 NEVER = 2**63 - 1
 
 
+def ranks_outnumber_cores(pids) -> bool:
+    """Whether the processes `pids` (a communicator's ranks) outnumber the
+    cores they may run on together (their CPU affinity, read once here): then
+    some peer a waiting rank needs is not running, most likely queued behind it
+    on its own core, and the host backend's waits yield instead of spinning
+    (csrc/cpu/all_reduce.cpp, wait_reached). False where an affinity cannot be
+    read (a peer in another PID namespace)."""
+    cores = set()
+    try:
+        for pid in pids:
+            cores |= os.sched_getaffinity(pid)
+    except OSError:
+        return False
+    return len(cores) < len(pids)
+
+
 @dataclass(frozen=True)
 class Crossover:
     two_shot_min_bytes: int  # at or above this size two-shot beats one-shot

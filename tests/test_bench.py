@@ -231,3 +231,26 @@ def test_mpi_columns_are_timed_in_the_same_ranks_and_checked(tmp_path, mpi):
     assert len(rows) == 3 * 2 * 2  # sizes (1K, 8K, 64K) x dtypes x ops
     for r in rows:
         assert set(r["mpi"]) == STATS | {"wrong"} and r["mpi"]["wrong"] == 0 and r["mpi"]["time_us"] > 0, r
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_busy_times_an_mpi_beside_ours_under_its_launcher(tmp_path, mpi):
+    """bench/busy.py --mpi: the ranks start under that MPI's launcher, and each
+    row has its MPI_Allreduce's per-call median and p99 beside ours; the JSON
+    names the MPI library."""
+    if not MPI_READY[mpi]:
+        pytest.skip(f"no {mpi} with mpi4py built against it here: bash bench/mpi_setup.sh")
+    out = tmp_path / "busy.json"
+    cmd = [sys.executable, str(bench_scripts.BENCH_DIR / "busy.py"), "--back-to-back", "--nproc", "2", "--loads",
+           "0", "--sizes", "4K", "--calls", "20", "--repeats", "1", "--mpi", mpi, "--backends", "pyallreduce,mpi",
+           "--json", str(out)]
+    proc = bench_scripts.run_script(cmd, TIMEOUT_S)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["backends"] == ["pyallreduce", "mpi"] and report["mpi"] == mpi
+    [condition] = report["conditions"]
+    assert condition["mpi"]["mpi"] == mpi and condition["mpi"]["library"]
+    [row] = condition["rows"]
+    for backend in ("pyallreduce", "mpi"):
+        assert 0 < row[f"{backend}_median_s"] <= row[f"{backend}_p99_s"]
+    assert "gloo_median_s" not in row

@@ -301,3 +301,38 @@ def test_ranks_follow_rank_0_on_whether_to_measure(tmp_path, monkeypatch):
     # Rank 0 says to: every rank measures with it (a rank that did not would leave it waiting).
     seen = run_ranks(_communicators_of_a_new_machine, 2, ("1", "0"), timeout=180)
     assert seen[0] == seen[1] and seen[0][0][0].measured
+
+
+def _sleepers(core_sets):
+    """One sleeping process per core set, bound to it."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores))
+            for cores in core_sets]
+
+
+@pytest.mark.quick
+def test_ranks_outnumber_cores_counts_the_cores_of_all_their_affinities_together():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    cases = [([{cores[0]}, {cores[0]}], True),            # two ranks bound to one core
+             ([{cores[0]}, {cores[1]}], False),           # one core each
+             ([{cores[0]}, {cores[1]}, {cores[1]}], True),
+             ([set(cores[:2])] * 3, True),                # three unbound on two cores
+             ([set(cores[:2])] * 2, False)]
+    for core_sets, expected in cases:
+        procs = _sleepers(core_sets)
+        try:
+            assert policy.ranks_outnumber_cores([p.pid for p in procs]) is expected, core_sets
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    # A process that cannot be asked (gone, or in another PID namespace): no claim.
+    gone = _sleepers([{cores[0]}])[0]
+    gone.kill()
+    gone.wait()
+    assert policy.ranks_outnumber_cores([gone.pid, os.getpid()]) is False

@@ -32,6 +32,9 @@ struct Context {
   int device = -1;             // CUDA device index, -1 for host memory
   std::array<char*, kMaxRanks> regions{};  // region base of every rank, own included
   std::vector<int64_t> pids;   // host backend: peers' pids, to report a dead rank early
+  // Host backend: the ranks outnumber the cores they may run on together, so
+  // a waiting rank yields before it sleeps instead of spinning (wait_reached).
+  bool ranks_outnumber_cores = false;
 
   // One collective in flight per communicator: a second thread is rejected,
   // never interleaved (interleaving would pair different calls across ranks).

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -35,9 +36,17 @@ constexpr int64_t kRoundBytes = 256 << 10;  // see run_rounds; a multiple of eve
 // left to notice contention with, so one short call must not end it.
 constexpr int kContendedCalls = 100;
 
-// Waiting for a peer, in two stages, each bounded in wall time (wait_reached):
+// Waiting for a peer, in stages, each bounded in wall time (wait_reached):
 //   spin with pause   for kSpinFor: the peer is running and microseconds away,
 //                     the common case on an idle machine, where latency is all;
+//   or, where the ranks outnumber their cores (Context::ranks_outnumber_cores),
+//   sched_yield       for kYieldFor instead: some peer we wait for is not
+//                     running, most likely queued behind us on our own core,
+//                     so every spin delays the very peer it waits for, and a
+//                     yield hands it the core at once, where a futex sleep
+//                     costs it a wake-up (4 ranks on 2 cores, 256 B: spin
+//                     ~100-160 us a call, sleep at once ~35-80, yield ~10-20;
+//                     docs/architecture.md);
 //   sleep on a futex  past that: the peer is descheduled (another process or
 //                     rank holds its core) or far away (uneven compute). Our
 //                     core goes to whoever wants it, maybe the very peer we
@@ -46,12 +55,22 @@ constexpr int kContendedCalls = 100;
 //                     makes no syscall). One sleep lasts at most
 //                     kLivenessCheckPeriod, so the deadline, a dead peer
 //                     and an abort (Context::aborted) are noticed in time.
-// No sched_yield stage: under EEVDF (Linux >= 6.6) one yield beside a busy
-// process can hand it a whole slice (ms), and a stage counted in yields then
-// lasts as long as the scheduler likes (docs/architecture.md, "Waiting on a
-// busy CPU"). The clock is read every kSpinsPerClockCheck pauses (a vDSO read
-// costs tens of nanoseconds), so a spin that was descheduled ends at its next look.
+// No yield where each rank has a core: under EEVDF (Linux >= 6.6) one yield
+// beside a busy process can hand it a whole slice (ms) while our peer runs on
+// another core (docs/architecture.md, "Waiting on a busy CPU"). Where the
+// ranks outnumber the cores the same happens beside other busy processes
+// (4 ranks on 2 cores, 2 processes spinning: ~4 ms a 256 B call): a yield
+// that took kSliceLost or more while more tasks than ranks were runnable
+// (others_runnable: a long yield can also be a peer on our core computing)
+// ends the stage and marks this rank's cores
+// contended (Context::contended_calls), which turns the yield stage off for
+// that many calls (the spin stage instead) and merges the rounds (run_rounds).
+// The clock is read every kSpinsPerClockCheck pauses (a vDSO read costs tens
+// of nanoseconds), so a spin that was descheduled ends at its next look, and
+// after every yield.
 constexpr auto kSpinFor = std::chrono::microseconds(20);
+constexpr auto kYieldFor = std::chrono::microseconds(50);
+constexpr auto kSliceLost = std::chrono::milliseconds(1);
 constexpr int kSpinsPerClockCheck = 16;
 constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
 
@@ -117,11 +136,28 @@ void signal_peers(const Context& ctx, std::initializer_list<int64_t> flag_arrays
   }
 }
 
+// Whether more tasks are runnable on this machine right now than the
+// communicator has ranks awake (/proc/loadavg's count of running tasks, us
+// included; a rank asleep on its futex says so in its sleep word): after a
+// long yield, it tells another process's slice from a rank's own (a peer on
+// our core that computed for a while). Read only then.
+bool others_runnable(const Context& ctx) {
+  std::ifstream loadavg("/proc/loadavg");
+  double one, five, fifteen;
+  int64_t running = 0;
+  if (!(loadavg >> one >> five >> fifteen >> running)) return true;  // cannot tell: assume the worst
+  int64_t awake = 0;
+  for (int q = 0; q < ctx.world_size; ++q) awake += __atomic_load_n(sleep_word(ctx.regions[q]), __ATOMIC_RELAXED) == 0;
+  return running > awake;
+}
+
 // Waits until every peer's flag in the array at flags_offset of our own region
-// has reached e (acquire); returns whether the wait was long (it slept).
+// has reached e (acquire); returns whether the wait was long: it slept, where
+// each rank has a core (where the ranks outnumber their cores, a lost slice
+// marks contention itself, see kSliceLost).
 // Raises naming the ranks that never arrived when the deadline passes or a
 // peer's process is gone.
-bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const char* where) {
+bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* where) {
   uint32_t* own = flags(ctx.own_region(), flags_offset);
   auto arrived = [&](int q) {
     return epoch_reached(__atomic_load_n(own + flag_index(kBlock, q), __ATOMIC_ACQUIRE), e);
@@ -129,15 +165,29 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
   using Clock = std::chrono::steady_clock;
   Clock::time_point start{}, deadline{}, sleep_from{}, next_liveness_check{};
   bool slept = false;
+  bool yielding = false;  // the stage before the sleep: spin, or yield (see kYieldFor)
+  Clock::time_point last_look{};
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
-      _mm_pause();
-      if (spins % kSpinsPerClockCheck != 0) continue;
+      if (yielding) {
+        sched_yield();
+      } else {
+        _mm_pause();
+      }
+      if (!yielding && spins % kSpinsPerClockCheck != 0) continue;  // a yield may have taken a slice: look
       const auto now = Clock::now();
+      if (yielding && now - last_look >= kSliceLost && others_runnable(ctx)) {  // see kSliceLost
+        ctx.contended_calls = kContendedCalls;
+        yielding = false;
+        sleep_from = now;
+      }
+      last_look = now;
       if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
         start = now;
         deadline = start + std::chrono::nanoseconds(ctx.timeout_ns);
-        sleep_from = start + kSpinFor;
+        yielding = ctx.ranks_outnumber_cores && ctx.contended_calls == 0;
+        sleep_from = start + (yielding ? std::chrono::duration_cast<Clock::duration>(kYieldFor)
+                                       : std::chrono::duration_cast<Clock::duration>(kSpinFor));
         next_liveness_check = start + kLivenessCheckPeriod;
       }
       if (now < sleep_from) continue;
@@ -181,7 +231,10 @@ bool wait_reached(const Context& ctx, int64_t flags_offset, uint32_t e, const ch
                   ". Every rank must make the same collective calls in the same order.");
     }
   }
-  return slept;
+  // Where the ranks outnumber their cores, a sleep is how a hand-over ends
+  // when the peer's work takes a while, not a sign of contention: only a lost
+  // slice is (above).
+  return slept && !ctx.ranks_outnumber_cores;
 }
 
 // The start of call e (protocol.h): publish our descriptor, signal, wait for
@@ -524,11 +577,14 @@ RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, c
 // in cache when the peers read it, where one round over the whole message would
 // have evicted its start by then (L2 is a few MiB). Costs a barrier or two per
 // round, which is cheap while every rank has a core to itself, and not when the
-// ranks share cores (more ranks than cores, other busy processes): then each
-// barrier waits for a descheduled peer to get a core back. So a rank that
-// waited long inside a call says so in the descriptors of its next
-// kContendedCalls calls (kDescContended), and after a call in which any rank
-// said so, every rank runs its next call in as few rounds as staging allows.
+// ranks share cores with other busy processes: then each barrier waits for a
+// descheduled peer to get a core back. So a rank that waited long inside a
+// call (it slept on the futex; where the ranks outnumber their cores, a yield
+// lost a slice instead, wait_reached: there the ranks' own hand-overs are
+// yields, cheap enough that rounds still win) says so in the descriptors of
+// its next kContendedCalls calls (kDescContended), and after a call in which
+// any rank said so, every rank runs its next call in as few rounds as staging
+// allows.
 // Every rank reads the same descriptors, so the ranks always agree on the rounds.
 //
 // run_rounds calls round(done, len) for [0, total) in pieces of round_len, or

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .. import _C
+from .. import _C, policy
 from . import CLOSED_DURING_CALL, make_transport, no_graph_table
 
 # The op overloads themselves: calling them skips torch.ops' overload resolution.
@@ -36,7 +36,8 @@ class NativeEngine:
         try:
             self.handle = _C.create_context(
                 self.transport.regions, rank, max_bytes, nblocks, timeout_s,
-                device.index if device.index is not None else -1, self.transport.pids)
+                device.index if device.index is not None else -1, self.transport.pids,
+                device.type == "cpu" and policy.ranks_outnumber_cores(self.transport.pids))
         except BaseException:
             self._close_transport(sync=False)
             raise
