@@ -351,7 +351,8 @@ def explore(rank, world, seed, steps, device_type="cpu", victim=None):
             done = getattr(explorer, kind)()
             taken[-1] = "; ".join([*explorer.made, done])
         if victim is not None:
-            taken.append(explorer.die(victim))
+            taken.append(f"kill rank {victim}")
+            taken[-1] = explorer.die(victim)
         else:
             explorer.end()
             taken.append("end")
@@ -374,7 +375,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kill", type=int, default=None, metavar="RANK", help="end by killing this rank (CPU)")
+    p.add_argument("--kill", type=int, default=None, metavar="RANK", help="end by killing this rank")
     args = p.parse_args()
     survivor = 1 if args.kill == 0 else 0
     for step in run_ranks(explore, args.world, args.seed, args.steps, args.device, args.kill, timeout=600,
@@ -593,6 +594,30 @@ class CudaExplorer(Explorer):
         self.slots[slot] = None
         dist.barrier()
         return f"abort slot {slot}, rank {victim}'s kernel waiting"
+
+    def die(self, victim):
+        """The victim is killed. A kernel cannot see a process exit: each
+        survivor's call on each open slot launches, and its kernel waits on
+        the device for the victim, as an NCCL kernel would. A program learns
+        of it by waiting (comm.check()) and ends the wait with abort() from a
+        watchdog, as with ncclCommAbort: the wait raises that the
+        communicator was aborted, within the watchdog's bound, and the
+        abort frees what it may (end(): nothing stays mapped where no
+        kernel was captured)."""
+        from launch import raises_when_a_watchdog_aborts
+
+        if self.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        open_slots = [slot for slot, comm in enumerate(self.slots) if comm is not None]
+        for slot in open_slots:
+            comm = self.slots[slot]
+            engine = comm._engine
+            comm.all_reduce_(torch.ones(64).to(comm.device))
+            raises_when_a_watchdog_aborts(comm, comm.check, r"aborted", after_s=1.0, bound_s=DEATH_SEEN_S)
+            self.kept_mapped |= bool(engine._captured)
+            self.slots[slot] = None
+        self.end()
+        return f"rank {victim} killed; {len(open_slots)} slots' waits ended by abort()"
 
     def end(self):
         for slot in (0, 1):

@@ -596,15 +596,16 @@ def check_deadline_names_the_missing_rank(rank, world):
 
 def check_beside_another_threads_capture(rank, world):
     """Another thread of the process captures a CUDA graph in global mode
-    (torch.cuda.graph's default) while this one makes collective calls, checks,
-    raises a mismatch, opens a comm.capture() and closes the communicator: none of our CUDA calls
+    (torch.cuda.graph's default) while this one makes a communicator, makes
+    collective calls, checks, raises a mismatch, opens a comm.capture() and
+    closes the communicator: none of our CUDA calls
     may be one that global mode prohibits then (an allocation, a wait, a
     device-wide sync), or the other thread's capture is invalidated and our
     call fails. Tensors are made before: torch's own allocations would be."""
     torch.cuda.set_device(0)
-    comm = make_comm()
     x = on_gpu(exact_input(1000, rank, torch.float32, 3))
     with another_threads_capture(RUN_TIMEOUT) as errors:
+        comm = make_comm()
         comm.all_reduce_(x)
         comm.check()  # waits for our kernels
         with pytest.raises(RuntimeError, match="disagree"):  # raised once our kernels are done
@@ -1534,6 +1535,39 @@ def check_triton_capture_makes_no_prohibited_call(rank, world):
         assert launched == ["all_reduce"], launched
 
 
+def check_triton_beside_another_threads_capture(rank, world):
+    """The Triton backend's host side while another thread captures in global
+    mode: its construction (pinned and device allocations, a wait), an eager
+    call (the first records the launch chain's event), an empty call (its
+    agreement round, then a wait for it), a recorded mismatch (raised after a
+    wait for the kernels) and close() make no call that global mode prohibits
+    (the emulation fails them and invalidates the other thread's capture).
+    The launches are recorded, not run: Triton launches through the CUDA
+    driver, which the emulation does not run."""
+    from unittest import mock
+
+    from pyallreduce import triton_kernels
+
+    status = triton_kernels.status
+    torch.cuda.set_device(0)
+    launched = []
+    launchers = {algo: LaunchRecorder("all_reduce", launched) for algo in triton_kernels._LAUNCHERS}
+    x, empty = on_gpu(exact_input(1000, rank, torch.float32, 1)), on_gpu(torch.empty(0))
+    with mock.patch.dict(triton_kernels._LAUNCHERS, launchers), \
+            mock.patch.object(triton_kernels.signal, "_agree_kernel", LaunchRecorder("agree", launched)), \
+            another_threads_capture(RUN_TIMEOUT) as errors:
+        comm = make_comm(backend="triton")
+        comm.all_reduce_(x)
+        comm.all_reduce_(empty)
+        (_, _, record), = triton_kernels._device_args.values()
+        record[status.STATUS_CODE.value] = status.CODE_MISMATCH.value  # as a kernel records ranks that disagree
+        with pytest.raises(RuntimeError, match="disagree|differ"):
+            comm.all_reduce_(empty)
+        comm.close()
+    assert not errors, f"the other thread's capture failed: {errors[0]}"
+    assert launched == ["all_reduce", "agree", "agree"], launched
+
+
 TRITON_CHECKS = (check_eager, check_random_floats, check_back_to_back)
 
 
@@ -1541,6 +1575,12 @@ def test_triton_capture_makes_no_prohibited_call():
     if (why := triton_kernels_unusable(interpret=False)) is not None:
         pytest.skip(why)
     run_ranks(check_triton_capture_makes_no_prohibited_call, 2, timeout=RUN_TIMEOUT)
+
+
+def test_triton_beside_another_threads_capture():
+    if (why := triton_kernels_unusable(interpret=False)) is not None:
+        pytest.skip(why)
+    run_ranks(check_triton_beside_another_threads_capture, 2, timeout=RUN_TIMEOUT)
 
 
 @pytest.mark.parametrize("world", (2, 4))

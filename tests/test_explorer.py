@@ -60,3 +60,18 @@ def test_cuda_explorer(world, seed, steps):
     taken = run_ranks(explore, world, seed, steps, "cuda", timeout=600)
     assert all(t == taken[0] for t in taken), "the ranks took different steps"
     assert taken[0][-1] == "end" and len(taken[0]) == steps + 1
+
+
+# (world size, seed, steps, the rank killed at the end), on CUDA communicators.
+CUDA_KILLED_RUNS = [(2, 303, 12, 1), (3, 304, 10, 0)]
+
+
+@pytest.mark.parametrize("world,seed,steps,victim", CUDA_KILLED_RUNS)
+def test_cuda_explorer_ending_in_a_killed_rank(world, seed, steps, victim):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (tests/test_cuda_emulated.py runs this on the emulated runtime)")
+    taken = run_ranks(explore, world, seed, steps, "cuda", victim, timeout=600,
+                      expect_exit={victim: -signal.SIGKILL})
+    survivors = [t for r, t in enumerate(taken) if r != victim]
+    assert all(t == survivors[0] for t in survivors), "the survivors took different steps"
+    assert survivors[0][-1].startswith(f"rank {victim} killed") and len(survivors[0]) == steps + 1

@@ -1,7 +1,8 @@
 """tests/launch.py itself: when the ranks' gloo group cannot form (before any
-rank runs the test's function), run_ranks starts the ranks again once, and
-then fails saying so; a rank that reported but never exits fails the test,
-within its timeout."""
+rank runs the test's function) or one that the function makes cannot,
+run_ranks starts the ranks again, and then fails saying so; a rank that
+reported but never exits fails the test, within its timeout."""
+import os
 import socket
 import threading
 import time
@@ -50,8 +51,40 @@ def test_a_group_that_fails_to_form_is_started_again(monkeypatch, closing_port):
 
 def test_a_group_that_never_forms_fails_saying_so(monkeypatch, closing_port):
     monkeypatch.setattr(launch, "free_port", lambda: closing_port)
-    with pytest.raises(launch.RankFailure, match="could not join the gloo group"):
+    with pytest.raises(launch.RankFailure, match="a gloo group could not form"):
         launch.run_ranks(_rank, 2, timeout=120)
+
+
+def _own_group_fails_to_form_at_first(rank, world, store):
+    """Attempt 1: rank 0's own group fails as gloo's do (after a marker named
+    after the store was made); rank 1 waits to be killed. Attempt 2 starts
+    without the first attempt's files, and its group forms."""
+    import torch
+    import torch.distributed as dist
+
+    attempts = os.environ["ATTEMPTS_FILE"]
+    if rank == 0:
+        with open(attempts, "a") as f:
+            f.write("started\n")
+    dist.barrier()  # run_ranks' group: rank 1 reads after rank 0 wrote
+    if open(attempts).read().count("started") == 1:
+        if rank == 0:
+            open(store + ".done", "w").close()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:534] Connection closed by peer (simulated)")
+        time.sleep(120)
+    assert not os.path.exists(store + ".done"), "the retry found the failed attempt's marker"
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return x.tolist()
+
+
+def test_a_group_the_test_makes_that_fails_to_form_starts_the_test_again(tmp_path):
+    attempts = tmp_path / "attempts"
+    assert launch.run_ranks(_own_group_fails_to_form_at_first, 2, str(tmp_path / "store"), timeout=120,
+                            env={"ATTEMPTS_FILE": str(attempts)}) == [[2.0, 2.0]] * 2
+    assert attempts.read_text().count("started") == 2
 
 
 def _rank_that_never_exits(rank, world):

@@ -10,7 +10,7 @@ signal.py).
 import torch
 
 from pyallreduce import _C
-from pyallreduce.engines import stream_capturing
+from pyallreduce.engines import relaxed_capture_mode, stream_capturing
 from pyallreduce.protocol import is_own_segment, not_reduced_reason, overlaps, partial_overlap_problem
 
 from . import one_shot, scatter_gather, signal, two_shot
@@ -40,11 +40,12 @@ def prepare(regions, device):
             raise RuntimeError("pyallreduce: the first Triton call on these regions is inside a CUDA graph "
                                "capture, which does not permit allocating its status record; create the "
                                "Communicator (or make one call) before capturing")
-        status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
-        new_generation(status, 1)
-        table = torch.tensor([*key[0], 0], dtype=torch.int64, device=key[1])  # + the claim word, 0
-        if key[1].type == "cuda":  # copied before any kernel, on whatever stream, can use it
-            torch.cuda.current_stream(key[1]).synchronize()
+        with relaxed_capture_mode(key[1]):  # pinned and device allocations, a wait
+            status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=key[1].type == "cuda")
+            new_generation(status, 1)
+            table = torch.tensor([*key[0], 0], dtype=torch.int64, device=key[1])  # + the claim word, 0
+            if key[1].type == "cuda":  # copied before any kernel, on whatever stream, can use it
+                torch.cuda.current_stream(key[1]).synchronize()
         _device_args[key] = (table, status, status.numpy())
     return _device_args[key]
 
@@ -244,7 +245,8 @@ def agree(dtype_code, nbytes, mode, average, in_place, regions, rank, world_size
         signal._agree_kernel[(nblocks,)](regions_t, status, rank, max(1, int(timeout_s * 1e9)), nbytes, kind, call,
                                          WORLD_SIZE=world_size, num_warps=1)
         if device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            with relaxed_capture_mode(device):
+                torch.cuda.current_stream().synchronize()
 
     _on_device(device, run)
     raise_recorded(status, record, rank, world_size, timeout_s, device)

@@ -41,7 +41,7 @@ import torch
 import triton.language as tl
 
 from pyallreduce import _C
-from pyallreduce.engines import stream_capturing
+from pyallreduce.engines import relaxed_capture_mode, stream_capturing
 
 # Which barrier a deadline passed in.
 START_BARRIER = tl.constexpr(1)
@@ -108,7 +108,8 @@ def raise_recorded(status, record, rank, world_size, timeout_s, device, mismatch
     on_gpu = device.type == "cuda"
     capturing = stream_capturing(device)
     if code == CODE_MISMATCH.value and on_gpu and not capturing:
-        torch.cuda.current_stream(device).synchronize()
+        with relaxed_capture_mode(device):
+            torch.cuda.current_stream(device).synchronize()
     words = status.tolist()
     longs = status.view(torch.int64).tolist()
     epoch = words[STATUS_EPOCH.value] & 0xFFFFFFFF

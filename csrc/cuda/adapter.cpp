@@ -140,6 +140,12 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_current_stream_capturing", &cuda_current_stream_capturing, py::arg("device"),
         "whether torch's current stream of this device is being captured into a CUDA graph");
   m.def("cuda_device_by_pci_bus_id", &device_by_pci_bus_id, py::arg("bus_id"));
+  m.def("cuda_exchange_capture_mode", [](int mode) {
+          auto exchanged = static_cast<cudaStreamCaptureMode>(mode);
+          check_cuda(cudaThreadExchangeStreamCaptureMode(&exchanged), "cudaThreadExchangeStreamCaptureMode");
+          return static_cast<int>(exchanged);
+        }, py::arg("mode"), "sets this thread's CUDA graph capture mode; returns the one it had");
+  m.attr("CUDA_CAPTURE_MODE_RELAXED") = static_cast<int>(cudaStreamCaptureModeRelaxed);
   m.def("cuda_wait_for_launches", [](int device, int64_t launched, bool captured) {
           wait_until_unused(device, reinterpret_cast<cudaEvent_t>(launched), captured);
         }, py::arg("device"), py::arg("launched_event"), py::arg("captured"),

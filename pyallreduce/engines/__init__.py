@@ -187,6 +187,24 @@ def stream_capturing(device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
+def relaxed_capture_mode(device: torch.device) -> Iterator[None]:
+    """This thread's CUDA graph capture mode relaxed for the block, as the C++
+    glue's RelaxedCaptureScope: host waits and allocations are "potentially
+    unsafe" calls, which in the default global mode fail, and invalidate the
+    capture, while another thread captures in global mode. For the Triton
+    engine's own (torch's calls in the block follow the mode too); a build
+    without the CUDA kernels cannot change the mode: the block runs as it is."""
+    if device.type != "cuda" or not _C.WITH_CUDA:
+        yield
+        return
+    previous = _C.cuda_exchange_capture_mode(_C.CUDA_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        _C.cuda_exchange_capture_mode(previous)
+
+
+@contextlib.contextmanager
 def no_graph_table() -> Iterator[None]:
     """capture() of an engine without a graph table: calls are captured as they are."""
     yield

@@ -13,7 +13,7 @@ import torch
 
 from .. import _C, triton_kernels
 from ..protocol import staged_piece_bytes
-from . import make_transport, no_graph_table, set_up_on_every_rank, stream_capturing
+from . import make_transport, no_graph_table, relaxed_capture_mode, set_up_on_every_rank, stream_capturing
 from .cuda import CUDA_NBLOCKS
 from .native import checked_nblocks
 
@@ -134,6 +134,7 @@ class TritonEngine:
             raise
         finally:
             if stream is not None:
-                self._launched = self._launched or torch.cuda.Event()
-                self._launched.record(stream)
+                with relaxed_capture_mode(self.device):  # the first record creates the event
+                    self._launched = self._launched or torch.cuda.Event()
+                    self._launched.record(stream)
                 self._last_stream = stream

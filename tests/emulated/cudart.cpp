@@ -22,6 +22,11 @@
 //   deadlocked).
 //   PYALLREDUCE_EMULATED_DELAY_US=N makes every device task start up to N us
 //   late, so that host code which forgets to wait shows.
+//   PYALLREDUCE_EMULATED_LAUNCH_JITTER_US=N makes every launch of ours from a
+//   thread other than the process's main one start up to N us late, so that a
+//   race between such a call and the main thread (a close() beside it) is
+//   hit at step timings a test can draw, not only within the microseconds
+//   between a call's start and its launch.
 // * The rules it enforces are those of the CUDA Runtime API reference that a
 //   misuse would otherwise hide; each says where it comes from.
 // * Every other runtime symbol torch or pyallreduce imports has a weak stub
@@ -50,6 +55,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -362,12 +368,22 @@ Stream* stream_of(cudaStream_t s) {
   return reinterpret_cast<Stream*>(s);
 }
 
+unsigned env_us(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? unsigned(std::atoi(v)) : 0u;
+}
+
 unsigned delay_us() {
-  static const unsigned d = [] {
-    const char* v = std::getenv("PYALLREDUCE_EMULATED_DELAY_US");
-    return v ? unsigned(std::atoi(v)) : 0u;
-  }();
+  static const unsigned d = env_us("PYALLREDUCE_EMULATED_DELAY_US");
   return d;
+}
+
+// A launch from a thread other than the main one waits up to the jitter first.
+void launch_jitter() {
+  static const unsigned jitter = env_us("PYALLREDUCE_EMULATED_LAUNCH_JITTER_US");
+  if (jitter == 0 || syscall(SYS_gettid) == getpid()) return;
+  thread_local std::minstd_rand draw(unsigned(syscall(SYS_gettid)));
+  std::this_thread::sleep_for(std::chrono::microseconds(draw() % jitter));
 }
 
 // ---- capture -------------------------------------------------------------------------
@@ -558,6 +574,7 @@ void pyallreduce_emulated_device_work(int running) {
 // stream's worker after the work enqueued before it.
 void pyallreduce_emulated_enqueue(cudaStream_t stream, void (*run)(void*), void (*destroy)(void*), void* arg) {
   std::shared_ptr<void> held(arg, destroy);  // a captured launch runs at every replay
+  launch_jitter();
   if (injected_failure("kernel")) {  // this kernel faults: the sticky error from when it would run
     enqueue(stream, [] { sticky_fault.store(cudaErrorIllegalAddress, std::memory_order_release); });
     return;

@@ -154,6 +154,17 @@ MUTANTS = [
        "        if self._engine is None or torch.compiler.is_compiling() or stream_capturing(self.device):",
        "        if self._engine is None or torch.compiler.is_compiling():")],
      "emulated", [TEST_CUDA, "-k", "triton_capture"], {}),
+    ("close() frees the status record and buffers before sealing the communicator (the review's bug 2)",
+     [("pyallreduce/engines/cuda.py",
+       "                _C.seal_context(self.handle)\n",
+       "                self.wait_until_unused()\n"
+       "                self.transport.keep(_C.cuda_clear_buffers(self.handle))\n"
+       "                _C.seal_context(self.handle)\n")],
+     "emulated", [str(ROOT / "tests" / "test_explorer.py"), "-k", "cuda"], build_emulated.LAUNCH_JITTER),
+    ("the Triton engine's allocations and waits in global capture mode beside another thread's capture",
+     [("pyallreduce/engines/__init__.py", '    if device.type != "cuda" or not _C.WITH_CUDA:\n        yield\n',
+       "    if True:\n        yield\n")],
+     "emulated", [TEST_CUDA, "-k", "triton_beside"], {}),
     ("the DDP hook's side stream not waiting for the gradients' stream",
      [("pyallreduce/ddp.py", "        stream.wait_stream(torch.cuda.current_stream(self.device))\n", "")],
      "emulated", [TEST_CUDA, "-k", "ddp_hook"], LATE),
