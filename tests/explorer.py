@@ -386,15 +386,15 @@ if __name__ == "__main__":
 class CudaExplorer(Explorer):
     """The explorer on CUDA communicators (`--device cuda`; in CI on the
     emulated CUDA runtime, whose two devices let ranks pick different GPUs
-    and change them between communicators: tests/test_explorer.py). Without the
-    torch.distributed backend's steps (its CUDA inner backend is NCCL, which
-    the emulation lacks) and with kernel dtypes only (torch's own CUDA kernels
-    do not run there); with registered buffers, graph capture and replay,
-    calls beside another thread's capture, and a close racing another
-    thread's call."""
+    and change them between communicators: tests/test_explorer.py). With
+    kernel dtypes only (torch's own CUDA kernels do not run there), and the
+    torch.distributed backend's steps only for what it serves (its CUDA inner
+    backend is NCCL, which the emulation lacks); with registered buffers,
+    graph capture and replay, calls beside another thread's capture, a close
+    racing another thread's call, and an ending in a killed rank."""
 
     STEP_KINDS = ("construct", "call", "call", "register", "capture", "beside_capture", "threads", "close",
-                  "close_racing", "abort")
+                  "close_racing", "abort", "backend", "regroup")
     # Not 4 KiB: a CUDA reduce-scatter's segments need more staging, or it goes to
     # torch.distributed, whose own CUDA kernels the emulation does not run.
     MAX_BYTES = MAX_BYTES[1:]
@@ -430,6 +430,9 @@ class CudaExplorer(Explorer):
                 # The other slot's communicator may hold the only GPUs whose
                 # imports CUDA still allows, or the blocks: as a user would, close it.
                 self.made.append(self.close(1 - slot))
+            if tries == 30 and self.group is not None:
+                # So may the pyallreduce group's communicator: destroy the group.
+                self.made.append(self.end_group())
             devices = [self.rng.randrange(torch.cuda.device_count()) for _ in range(self.world)]
             if tries >= 40 and self.home is not None:
                 # At 4 ranks on two GPUs few draws stay that the imports allow:
@@ -595,6 +598,75 @@ class CudaExplorer(Explorer):
         dist.barrier()
         return f"abort slot {slot}, rank {victim}'s kernel waiting"
 
+    def backend(self):
+        """dist.* collectives on CUDA tensors on a "pyallreduce" group (made
+        at its first step), on this rank's GPU of the first construction that
+        served: those it serves, sync and async (each async Work checked
+        against the Work contract). Not those it leaves to its inner NCCL
+        backend, which the emulation lacks, nor non-contiguous inputs (their
+        strided copies are torch kernels, which it does not run either)."""
+        rng = self.rng
+        if self.home is None:
+            self.made.append(self.construct())
+        if self.group is None:
+            self.group = dist.new_group(backend="pyallreduce")
+            self.made.append("new pyallreduce group")
+        device = torch.device("cuda", self.home[self.rank])
+        kind = rng.choice(("all_reduce", "all_reduce avg", "all_gather list", "reduce_scatter_tensor",
+                           "all_gather_into_tensor"))
+        dtype, numel = rng.choice(KERNEL_DTYPES), rng.choice(NUMELS[:4]) * self.world
+        async_op = rng.random() < 0.5
+        x, every = self.inputs(numel, dtype)
+        x = x.to(device)
+        g = self.group
+
+        def issue():
+            if kind.startswith("all_reduce"):
+                avg = kind.endswith("avg")
+                outputs, want = [x.clone()], [expected_reduction(every, avg)]
+                op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+                return outputs, want, dist.all_reduce(outputs[0], op=op, group=g, async_op=async_op)
+            if kind == "all_gather list":
+                outputs = [torch.empty_like(x) for _ in range(self.world)]
+                return outputs, every, dist.all_gather(outputs, x, group=g, async_op=async_op)
+            if kind == "reduce_scatter_tensor":
+                seg = numel // self.world
+                outputs = [torch.empty(seg, dtype=dtype, device=device)]
+                want = [expected_reduction(every, False)[self.rank * seg:(self.rank + 1) * seg]]
+                return outputs, want, dist.reduce_scatter_tensor(outputs[0], x, group=g, async_op=async_op)
+            outputs = [torch.empty(numel * self.world, dtype=dtype, device=device)]
+            return outputs, [torch.cat(every)], dist.all_gather_into_tensor(outputs[0], x, group=g, async_op=async_op)
+
+        try:
+            outputs, want, work = issue()
+        except ValueError as e:
+            # The group's first call on the GPU makes its communicator, which the
+            # slots' communicators may leave no blocks: refused on every rank
+            # (as a construction is); as a user would, close them and call again.
+            assert re.search(r"share GPU .* holds only \d+ blocks", str(e)), e
+            self.made.append(f"backend {kind}: refused, the GPU's blocks are taken; "
+                             f"{self.close(0)}; {self.close(1)}")
+            outputs, want, work = issue()
+        what = f"backend {kind} {dtype} x{numel} on GPUs {self.home}{' async' if async_op else ''}"
+        if async_op:
+            assert_succeeded(observe(work, what), want, what)
+        torch.cuda.synchronize(device)
+        for got, w in zip(outputs, want, strict=True):
+            assert torch.equal(got.cpu(), w), f"{what}: wrong result"
+        return what
+
+    def end_group(self):
+        """destroy_process_group of the pyallreduce group: it closes its CUDA
+        communicator, collectively."""
+        dist.destroy_process_group(self.group)
+        self.group = None
+        return "destroy the pyallreduce group"
+
+    def regroup(self):
+        if self.group is None:
+            return "regroup: no pyallreduce group"
+        return self.end_group() + "; the next backend step makes a new one"
+
     def die(self, victim):
         """The victim is killed. A kernel cannot see a process exit: each
         survivor's call on each open slot launches, and its kernel waits on
@@ -622,6 +694,8 @@ class CudaExplorer(Explorer):
     def end(self):
         for slot in (0, 1):
             self.close(slot)
+        if self.group is not None:
+            self.end_group()
         if torch.cuda.get_device_name(0).startswith("Emulated"):  # counts the IPC handles still open
             import ctypes
 
