@@ -102,13 +102,36 @@ def lookup(kind, world_size, path=CROSSOVERS_FILE, cache=None):
     row = own.get(ws)
     if row is None:
         try:
-            row = json.loads((cache or cache_file()).read_text()).get(kind, {}).get(ws)
+            row = json.loads((cache or cache_file()).read_text()).get(kind, {}).get(measured_key(world_size))
         except (OSError, ValueError):  # no cache yet, or unreadable: measured again
             row = None
+        if row is not None and row.get("built") != build_identity():
+            row = None  # measured by another build of the extension: measured again
     if row is not None:
         return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), bool(row.get("measured", False)))
     row = family.get(ws) or own.get("default") or family.get("default") or table["default"]
     return Crossover(row["two_shot_min_bytes"], row.get("reference_min_bytes"), False)
+
+
+def measured_key(world_size):
+    """A measured row's key in the cache file: the world size and the cores
+    this process may run on. The same ranks on fewer cores wait otherwise
+    (they yield: csrc/cpu/all_reduce.cpp, wait_reached), so the crossover
+    measured with one core each is not theirs (4 ranks on the 2-core VM:
+    two-shot from 64 KiB, where the row measured before their waits yielded
+    said never, and one-shot took 1.8x two-shot's time at 4 MiB)."""
+    return f"{world_size}@{len(os.sched_getaffinity(0))}cores"
+
+
+@functools.lru_cache(maxsize=None)
+def build_identity():
+    """The extension build a measured row belongs to (its shared object's
+    size and modification time): a rebuild, whose kernels or waits may
+    differ, measures again rather than reading another build's row."""
+    from . import _C
+
+    st = os.stat(_C.__file__)
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def cache_file():
@@ -126,9 +149,9 @@ def remember(kind, world_size, crossover, cache=None):
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    table.setdefault(kind, {})[str(world_size)] = {
+    table.setdefault(kind, {})[measured_key(world_size)] = {
         "two_shot_min_bytes": crossover.two_shot_min_bytes, "reference_min_bytes": crossover.reference_min_bytes,
-        "measured": True, "how": "at first use (pyallreduce/calibrate.py)"}
+        "measured": True, "how": "at first use (pyallreduce/calibrate.py)", "built": build_identity()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".crossovers.")
     with os.fdopen(fd, "w") as f:
         json.dump(table, f, indent=2)

@@ -250,6 +250,27 @@ def test_only_a_kinds_own_row_or_its_own_measurement_counts_as_measured(tmp_path
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
+def test_a_row_measured_by_another_build_or_on_other_cores_is_measured_again(tmp_path, monkeypatch):
+    """A row measured before a rebuild (whose kernels or waits may differ: the
+    row of 4 ranks on 2 cores measured before their waits yielded said never
+    two-shot, where two-shot now wins from 64 KiB) or with the ranks on
+    another number of cores is not this setup's: it is measured again."""
+    table, cache, kind = tmp_path / "table.json", tmp_path / "cache.json", "cpu:This CPU:avx512"
+    table.write_text(json.dumps(TABLE))
+    policy.remember(kind, 4, policy.Crossover(65536, None, True), cache)
+    assert policy.lookup(kind, 4, table, cache) == policy.Crossover(65536, None, True)
+    with monkeypatch.context() as m:
+        m.setattr(policy, "build_identity", lambda: "another build")
+        assert policy.lookup(kind, 4, table, cache).measured is False
+    cores = os.sched_getaffinity(0)
+    with monkeypatch.context() as m:
+        m.setattr(os, "sched_getaffinity", lambda pid: set(range(len(cores) + 1)))
+        assert policy.lookup(kind, 4, table, cache).measured is False
+        policy.remember(kind, 4, policy.Crossover(1 << 20, None, True), cache)
+        assert policy.lookup(kind, 4, table, cache).two_shot_min_bytes == 1 << 20
+    assert policy.lookup(kind, 4, table, cache).two_shot_min_bytes == 65536  # each setup keeps its own row
+
+
 def test_winning_tail_start_ignores_a_win_below_a_loss():
     wins = {1: True, 2: False, 4: True, 8: True}
     assert policy.winning_tail_start([1, 2, 4, 8], wins.get) == 4
@@ -287,7 +308,7 @@ def test_a_machine_without_a_row_measures_its_crossover_once_and_its_ranks_agree
     assert first.measured and measured == 1 and (calls, calls_after_one) == (0, 1)
     assert second == first and measured_again == 1, "the second Communicator must take the cached row"
     assert all(s == seen[0] for s in seen), f"the ranks disagree: {seen}"
-    cached = json.loads((tmp_path / "crossovers.json").read_text())[FAKE_KIND]["2"]
+    cached = json.loads((tmp_path / "crossovers.json").read_text())[FAKE_KIND][policy.measured_key(2)]
     assert cached["two_shot_min_bytes"] == first.two_shot_min_bytes and cached["measured"]
 
 
