@@ -119,7 +119,9 @@ def measured_key(world_size):
     (they yield: csrc/cpu/all_reduce.cpp, wait_reached), so the crossover
     measured with one core each is not theirs (4 ranks on the 2-core VM:
     two-shot from 64 KiB, where the row measured before their waits yielded
-    said never, and one-shot took 1.8x two-shot's time at 4 MiB)."""
+    said never, and one-shot took 1.8x two-shot's time at 4 MiB). This
+    process's cores only, as it knows them before the ranks exchange anything:
+    ranks bound one to a core and ranks sharing that one core get the same key."""
     return f"{world_size}@{len(os.sched_getaffinity(0))}cores"
 
 
@@ -130,7 +132,10 @@ def build_identity():
     differ, measures again rather than reading another build's row."""
     from . import _C
 
-    st = os.stat(_C.__file__)
+    try:
+        st = os.stat(_C.__file__)
+    except OSError:  # the file went away under the loaded module: no row is this build's
+        return f"unknown build, pid {os.getpid()}"
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 

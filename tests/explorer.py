@@ -408,6 +408,7 @@ class CudaExplorer(Explorer):
         self.importing = [{} for _ in range(world)]
         self.home = None  # the GPUs of the first construction that served
         self.kept_mapped = False  # an abort after captures kept its mappings (until the process exits)
+        self.group_served = False  # the pyallreduce group has made its communicator (on the home GPUs)
 
     def drawn_call(self, kernels_only=True):
         """Kernel dtypes only, and no reduce-scatter or all-gather past one
@@ -609,13 +610,15 @@ class CudaExplorer(Explorer):
         if self.home is None:
             self.made.append(self.construct())
         if self.group is None:
-            self.group = dist.new_group(backend="pyallreduce")
+            self.group, self.group_served = dist.new_group(backend="pyallreduce"), False
             self.made.append("new pyallreduce group")
         device = torch.device("cuda", self.home[self.rank])
         kind = rng.choice(("all_reduce", "all_reduce avg", "all_gather list", "reduce_scatter_tensor",
                            "all_gather_into_tensor"))
         dtype, numel = rng.choice(KERNEL_DTYPES), rng.choice(NUMELS[:4]) * self.world
-        async_op = rng.random() < 0.5
+        # The group's first call makes its communicator; a refusal (below) comes
+        # out of a synchronous call, where an async one would hand it to its Work.
+        async_op = rng.random() < 0.5 and self.group_served
         x, every = self.inputs(numel, dtype)
         x = x.to(device)
         g = self.group
@@ -647,6 +650,7 @@ class CudaExplorer(Explorer):
             self.made.append(f"backend {kind}: refused, the GPU's blocks are taken; "
                              f"{self.close(0)}; {self.close(1)}")
             outputs, want, work = issue()
+        self.group_served = True
         what = f"backend {kind} {dtype} x{numel} on GPUs {self.home}{' async' if async_op else ''}"
         if async_op:
             assert_succeeded(observe(work, what), want, what)

@@ -103,11 +103,12 @@ def _rank_main(pickled_fn, rank, world_size, port, env, report, args):
         # from this process later, which fails once this process has exited.
         value = pickle.dumps(fn(rank, world_size, *args))
         report.send(("ok", value))
-    except BaseException:
-        failure = traceback.format_exc()
+    except BaseException as e:
         # A gloo group that fn made (its own process group, after the one
-        # above) failing to form is the same setup failure: fn starts again.
-        report.send(("setup error" if _GLOO_MESH_FAILED in failure else "error", failure))
+        # above) failing to form is the same setup failure: fn may start again.
+        # Gloo's own error only, not an assertion that quotes it.
+        formed = not (isinstance(e, RuntimeError) and str(e).startswith(_GLOO_MESH_FAILED))
+        report.send(("error" if formed else "setup error", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         # A rank whose exit hangs prints every thread's stack before run_ranks gives up on it.
@@ -169,16 +170,17 @@ _GLOO_MESH_FAILED = "Gloo connectFullMesh failed"
 # How often run_ranks starts the ranks when a gloo group fails to form, a
 # second longer apart each time. Two attempts back to back both failed once
 # (CI at c2375cd, torch 2.4.1's row, beside the main suite's ranks). Where fn
-# had begun, it runs again from its start: a test's string arguments that
-# are paths name the files its ranks make (the FileStores of its groups and
-# the markers named after them), and those of the failed attempt are removed
-# first, or the next attempt's groups would read the dead ranks' addresses.
+# had begun, it runs again from its start: the tests name the files their
+# ranks make (the FileStores of their groups and the markers named after
+# them) after a path argument ending in "/store", and those the failed
+# attempt made are removed first, or the next attempt's groups would read the
+# dead ranks' addresses. Only where no rank reported an error of its own.
 _SETUP_ATTEMPTS = 3
 
 
 def _remove_files_named_by(args):
     for arg in args:
-        if isinstance(arg, str) and os.path.isabs(arg) and os.path.isdir(os.path.dirname(arg)):
+        if isinstance(arg, str) and os.path.isabs(arg) and os.path.basename(arg) == "store":
             for path in glob.glob(glob.escape(arg) + "*"):
                 if os.path.isfile(path):
                     os.remove(path)
@@ -254,12 +256,12 @@ def _run_ranks_once(fn, world_size, args, timeout, env, rank_env, expect_exit):
                     procs[r].join(timeout=5)
                     raise RankFailure(f"ranks {[r]} exited with codes {[procs[r].exitcode]} without reporting") from None
         setup = {r: v for r, (s, v) in outcomes.items() if s == "setup error"}
-        if setup:
+        errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+        if setup and not errors:  # a rank's own error is never retried away
             raise _SetupFailure("\n".join(f"--- rank {r}: a gloo group could not form:\n{tb}"
                                           for r, tb in sorted(setup.items())))
-        errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
         if errors:
-            raise RankFailure("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
+            raise RankFailure("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted({**setup, **errors}.items())))
         exit_by = max(deadline, time.monotonic() + EXIT_GRACE_S)
         for p in procs:
             p.join(timeout=max(0.0, exit_by - time.monotonic()))
