@@ -168,42 +168,54 @@ class Explorer:
         return f"call {drawn} on slot {slot}"
 
     def backend(self):
-        rng, g = self.rng, self.group
+        rng = self.rng
         kind = rng.choice(("all_reduce", "all_reduce strided", "all_gather list", "reduce_scatter_tensor",
                            "all_gather_into_tensor", "broadcast"))
         dtype = rng.choice(KERNEL_DTYPES + (torch.int64,))
         numel = rng.choice(NUMELS[:4]) * self.world
         async_op = rng.random() < 0.5
         x, every = self.inputs(numel, dtype)
-        if kind == "all_reduce":
-            outputs, want = [x], [expected_reduction(every, False)]
-            work = dist.all_reduce(x, group=g, async_op=async_op)
-        elif kind == "all_reduce strided":
-            x = x.view(self.world, -1).t()  # not contiguous: the Python path
-            outputs, want = [x], [expected_reduction([e.view(self.world, -1).t() for e in every], False)]
-            work = dist.all_reduce(x, group=g, async_op=async_op)
-        elif kind == "all_gather list":
-            outputs, want = [torch.empty_like(x) for _ in range(self.world)], every
-            work = dist.all_gather(outputs, x, group=g, async_op=async_op)
-        elif kind == "reduce_scatter_tensor":
-            seg = numel // self.world
-            outputs = [torch.empty(seg, dtype=dtype)]
-            want = [expected_reduction(every, False)[self.rank * seg:(self.rank + 1) * seg]]
-            work = dist.reduce_scatter_tensor(outputs[0], x, group=g, async_op=async_op)
-        elif kind == "all_gather_into_tensor":
-            outputs, want = [torch.empty(numel * self.world, dtype=dtype)], [torch.cat(every)]
-            work = dist.all_gather_into_tensor(outputs[0], x, group=g, async_op=async_op)
-        else:
-            outputs, want = [x], [every[0]]
-            work = dist.broadcast(x, 0, group=g, async_op=async_op)
+        outputs, want, work = self.issue_backend(kind, x, every, async_op)
         what = f"backend {kind} {dtype} x{numel}{' async' if async_op else ''}"
-        if async_op and kind != "broadcast":  # broadcast's Work is gloo's own
+        self.check_backend(what, work, outputs, want, async_op, contract=kind != "broadcast")  # gloo's own Work
+        return what
+
+    def issue_backend(self, kind, x, every, async_op):
+        """Collective `kind` on the pyallreduce group, this rank's input x
+        (every rank's: every): (its outputs, the results due in them, its Work)."""
+        g, numel, dtype = self.group, x.numel(), x.dtype
+        if kind in ("all_reduce", "all_reduce avg"):
+            avg = kind == "all_reduce avg"
+            op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+            return [x], [expected_reduction(every, avg)], dist.all_reduce(x, op=op, group=g, async_op=async_op)
+        if kind == "all_reduce strided":
+            x = x.view(self.world, -1).t()  # not contiguous: the Python path
+            want = [expected_reduction([e.view(self.world, -1).t() for e in every], False)]
+            return [x], want, dist.all_reduce(x, group=g, async_op=async_op)
+        if kind == "all_gather list":
+            outputs = [torch.empty_like(x) for _ in range(self.world)]
+            return outputs, every, dist.all_gather(outputs, x, group=g, async_op=async_op)
+        if kind == "reduce_scatter_tensor":
+            seg = numel // self.world
+            outputs = [torch.empty(seg, dtype=dtype, device=x.device)]
+            want = [expected_reduction(every, False)[self.rank * seg:(self.rank + 1) * seg]]
+            return outputs, want, dist.reduce_scatter_tensor(outputs[0], x, group=g, async_op=async_op)
+        if kind == "all_gather_into_tensor":
+            outputs = [torch.empty(numel * self.world, dtype=dtype, device=x.device)]
+            return outputs, [torch.cat(every)], dist.all_gather_into_tensor(outputs[0], x, group=g, async_op=async_op)
+        assert kind == "broadcast", kind
+        return [x], [every[0]], dist.broadcast(x, 0, group=g, async_op=async_op)
+
+    @staticmethod
+    def check_backend(what, work, outputs, want, async_op, contract=True):
+        """An async Work answers as the Work contract says (contract: one of
+        ours), then every output holds its result."""
+        if async_op and contract:
             assert_succeeded(observe(work, what), want, what)
         elif async_op:
             work.wait()
         for got, w in zip(outputs, want, strict=True):
-            assert torch.equal(got, w), f"{what}: wrong result"
-        return what
+            assert torch.equal(got.cpu(), w), f"{what}: wrong result"
 
     def threads(self):
         drawn = [[self.drawn_call(kernels_only=True) for _ in range(self.rng.randint(1, 4))] for _ in range(2)]
@@ -621,27 +633,8 @@ class CudaExplorer(Explorer):
         async_op = rng.random() < 0.5 and self.group_served
         x, every = self.inputs(numel, dtype)
         x = x.to(device)
-        g = self.group
-
-        def issue():
-            if kind.startswith("all_reduce"):
-                avg = kind.endswith("avg")
-                outputs, want = [x.clone()], [expected_reduction(every, avg)]
-                op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-                return outputs, want, dist.all_reduce(outputs[0], op=op, group=g, async_op=async_op)
-            if kind == "all_gather list":
-                outputs = [torch.empty_like(x) for _ in range(self.world)]
-                return outputs, every, dist.all_gather(outputs, x, group=g, async_op=async_op)
-            if kind == "reduce_scatter_tensor":
-                seg = numel // self.world
-                outputs = [torch.empty(seg, dtype=dtype, device=device)]
-                want = [expected_reduction(every, False)[self.rank * seg:(self.rank + 1) * seg]]
-                return outputs, want, dist.reduce_scatter_tensor(outputs[0], x, group=g, async_op=async_op)
-            outputs = [torch.empty(numel * self.world, dtype=dtype, device=device)]
-            return outputs, [torch.cat(every)], dist.all_gather_into_tensor(outputs[0], x, group=g, async_op=async_op)
-
         try:
-            outputs, want, work = issue()
+            outputs, want, work = self.issue_backend(kind, x.clone(), every, async_op)
         except ValueError as e:
             # The group's first call on the GPU makes its communicator, which the
             # slots' communicators may leave no blocks: refused on every rank
@@ -649,14 +642,11 @@ class CudaExplorer(Explorer):
             assert re.search(r"share GPU .* holds only \d+ blocks", str(e)), e
             self.made.append(f"backend {kind}: refused, the GPU's blocks are taken; "
                              f"{self.close(0)}; {self.close(1)}")
-            outputs, want, work = issue()
+            outputs, want, work = self.issue_backend(kind, x.clone(), every, async_op)
         self.group_served = True
         what = f"backend {kind} {dtype} x{numel} on GPUs {self.home}{' async' if async_op else ''}"
-        if async_op:
-            assert_succeeded(observe(work, what), want, what)
         torch.cuda.synchronize(device)
-        for got, w in zip(outputs, want, strict=True):
-            assert torch.equal(got.cpu(), w), f"{what}: wrong result"
+        self.check_backend(what, work, outputs, want, async_op)
         return what
 
     def end_group(self):

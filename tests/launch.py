@@ -107,8 +107,8 @@ def _rank_main(pickled_fn, rank, world_size, port, env, report, args):
         # A gloo group that fn made (its own process group, after the one
         # above) failing to form is the same setup failure: fn may start again.
         # Gloo's own error only, not an assertion that quotes it.
-        formed = not (isinstance(e, RuntimeError) and str(e).startswith(_GLOO_MESH_FAILED))
-        report.send(("error" if formed else "setup error", traceback.format_exc()))
+        group_failed = isinstance(e, RuntimeError) and str(e).startswith(_GLOO_MESH_FAILED)
+        report.send(("setup error" if group_failed else "error", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         # A rank whose exit hangs prints every thread's stack before run_ranks gives up on it.
@@ -178,7 +178,7 @@ _GLOO_MESH_FAILED = "Gloo connectFullMesh failed"
 _SETUP_ATTEMPTS = 3
 
 
-def _remove_files_named_by(args):
+def _remove_store_files(args):
     for arg in args:
         if isinstance(arg, str) and os.path.isabs(arg) and os.path.basename(arg) == "store":
             for path in glob.glob(glob.escape(arg) + "*"):
@@ -222,7 +222,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None, rank_env
         except _SetupFailure:
             if attempt == _SETUP_ATTEMPTS:
                 raise
-            _remove_files_named_by(args)
+            _remove_store_files(args)
             time.sleep(attempt)
 
 

@@ -6,6 +6,7 @@ processes time-slice there, so nothing here measures speed.
 
 Skipped without a GPU or without the CUDA kernels in the build.
 """
+import contextlib
 import hashlib
 import os
 import sys
@@ -1508,6 +1509,22 @@ class LaunchRecorder:
         self.launched.append(self.name)
 
 
+@contextlib.contextmanager
+def triton_launches_recorded():
+    """The Triton backend's kernel launches (all-reduce and agreement) recorded,
+    not run, for the block: yields the list of their names, in order. Triton
+    launches through the CUDA driver, which the emulation does not run."""
+    from unittest import mock
+
+    from pyallreduce import triton_kernels
+
+    launched = []
+    launchers = {algo: LaunchRecorder("all_reduce", launched) for algo in triton_kernels._LAUNCHERS}
+    with mock.patch.dict(triton_kernels._LAUNCHERS, launchers), \
+            mock.patch.object(triton_kernels.signal, "_agree_kernel", LaunchRecorder("agree", launched)):
+        yield launched
+
+
 def check_triton_capture_makes_no_prohibited_call(rank, world):
     """The review's bug 3, the host side of the Triton backend under a
     torch.cuda.graph capture (global mode): its first call and an empty call
@@ -1517,16 +1534,8 @@ def check_triton_capture_makes_no_prohibited_call(rank, world):
     and invalidates the capture). The launches themselves are recorded, not
     run: Triton launches through the CUDA driver, which the emulation does not
     run."""
-    from unittest import mock
-
-    from pyallreduce import triton_kernels
-
     torch.cuda.set_device(0)
-    launched = []
-    launchers = {algo: LaunchRecorder("all_reduce", launched) for algo in triton_kernels._LAUNCHERS}
-    with mock.patch.dict(triton_kernels._LAUNCHERS, launchers), \
-            mock.patch.object(triton_kernels.signal, "_agree_kernel", LaunchRecorder("agree", launched)), \
-            make_comm(backend="triton") as comm:
+    with triton_launches_recorded() as launched, make_comm(backend="triton") as comm:
         x, empty = on_gpu(exact_input(1000, rank, torch.float32, 1)), on_gpu(torch.empty(0))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -1544,18 +1553,12 @@ def check_triton_beside_another_threads_capture(rank, world):
     (the emulation fails them and invalidates the other thread's capture).
     The launches are recorded, not run: Triton launches through the CUDA
     driver, which the emulation does not run."""
-    from unittest import mock
-
     from pyallreduce import triton_kernels
 
     status = triton_kernels.status
     torch.cuda.set_device(0)
-    launched = []
-    launchers = {algo: LaunchRecorder("all_reduce", launched) for algo in triton_kernels._LAUNCHERS}
     x, empty = on_gpu(exact_input(1000, rank, torch.float32, 1)), on_gpu(torch.empty(0))
-    with mock.patch.dict(triton_kernels._LAUNCHERS, launchers), \
-            mock.patch.object(triton_kernels.signal, "_agree_kernel", LaunchRecorder("agree", launched)), \
-            another_threads_capture(RUN_TIMEOUT) as errors:
+    with triton_launches_recorded() as launched, another_threads_capture(RUN_TIMEOUT) as errors:
         comm = make_comm(backend="triton")
         comm.all_reduce_(x)
         comm.all_reduce_(empty)
