@@ -49,6 +49,9 @@ INPUT_PERIOD = 7
 # GRAPH_BATCH calls: one launch per call would otherwise dominate the latency.
 GRAPH_MAX_BYTES = 1 << 20
 GRAPH_BATCH = 20
+# On CPU, our in-place call and the other all-reduces of a row (DeepSpeed, MPI)
+# are timed in this many turns each (time_cpu).
+ALTERNATIONS = 10
 # DeepSpeed's shm kernels need these x86 ISA levels (vector_kernel_level():
 # 1 = avx2, 2 = avx512bw); deepspeed/comm/torch.py falls back to the process
 # group below them, because the kernel would fault and its peers hang.
@@ -129,11 +132,12 @@ def parse_args(argv=None):
                         "(default: the installed pyallreduce/crossovers.json)")
     p.add_argument("--compare-deepspeed", action="store_true",
                    help="CPU only: also time DeepSpeed's shm all-reduce (torch.ops.deepspeed.inference_all_reduce_, "
-                        "sum only, in place); deepspeed must be importable (e.g. PYTHONPATH)")
+                        "sum only, in place, timed in turns with our in-place call row by row); deepspeed must be "
+                        "importable (e.g. PYTHONPATH)")
     p.add_argument("--mpi", choices=MPIS,
                    help="CPU only: start the ranks with this MPI's launcher and also time its MPI_Allreduce "
-                        "(in place, through mpi4py built against it: bash bench/mpi_setup.sh), interleaved "
-                        "with ours size by size; the 16-bit types go to MPI as fp32 (MPI has no bfloat16), "
+                        "(in place, through mpi4py built against it: bash bench/mpi_setup.sh), timed in "
+                        "turns with our in-place call row by row; the 16-bit types go to MPI as fp32 (MPI has no bfloat16), "
                         "avg as a sum and a division (MPI has no average)")
     p.add_argument("--isa", choices=("native", "avx512", "avx2", "generic"), default="native",
                    help="CPU: the vector ISA of our reduction kernels (PYALLREDUCE_CPU_ISA), and with "
@@ -227,16 +231,24 @@ def count_wrong(got, *wants):
 
 # ---- timing ------------------------------------------------------------------------
 
-def time_cpu(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
+def time_cpu(fns, iters, warmup):
+    """Per-call microseconds of each of fns (name -> fn), timed in turns of
+    iters / ALTERNATIONS calls each, so that all of them meet the same phases
+    of a shared machine (this VM's speed changes several-fold within seconds,
+    for every library at once): their ratio, not the phase, is what a row shows."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     dist.barrier()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return [t * 1e6 for t in times]
+    times = {name: [] for name in fns}
+    turn = -(-iters // ALTERNATIONS)
+    for start in range(0, iters, turn):
+        for name, fn in fns.items():
+            for _ in range(min(turn, iters - start)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e6)
+    return times
 
 
 def time_cuda(fn, iters, warmup, graph_batch, capture):
@@ -285,8 +297,14 @@ class Timer:
             batch = GRAPH_BATCH if nbytes <= a.graph_max_bytes and capture is not None else 0
             times = time_cuda(fn, a.iters, a.warmup, batch, capture)
         else:
-            times = time_cpu(fn, a.iters, a.warmup)
+            times = time_cpu({"fn": fn}, a.iters, a.warmup)["fn"]
         return slowest_rank_stats(times, self.group_device)
+
+    def interleaved(self, fns, nbytes):
+        """CPU: the stats of each of fns (name -> fn), timed in turns (time_cpu)."""
+        times = time_cpu(fns, self.args.iters, self.args.warmup)
+        return {name: with_bandwidth(slowest_rank_stats(t, self.group_device), nbytes, dist.get_world_size())
+                for name, t in times.items()}
 
 
 def slowest_rank_stats(times, device):
@@ -367,7 +385,7 @@ class DeepSpeedShm:
 def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache, deepspeed, mpi):
     """One size on one backend: correctness round, then timing, for every
     algo; returns the rows and the group's total of wrong elements. `cache`
-    keeps reference, DeepSpeed and MPI timings, which do not depend on the backend."""
+    keeps the reference and bound timings, which do not depend on the backend."""
     world, rank = comm.world_size, comm.rank
     dtype = DTYPES[dtype_name]
     elem = torch.empty((), dtype=dtype).element_size()
@@ -385,24 +403,17 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
         capture = None if timer.emulated else contextlib.nullcontext
         cache[key] = with_bandwidth(timer(lambda: call(work), nbytes, capture), nbytes, world)
     ref = dict(cache[key], wrong=ref_wrong)
-    ds = None
+    # The other CPU all-reduces (OTHERS), each checked here and timed beside
+    # our in-place call, row by row: name -> (fn, its wrong elements).
+    others = {}
     if deepspeed is not None and deepspeed.supports(dtype, op):
         ds_work = x.clone()
         deepspeed(ds_work)
-        ds_wrong = sum_over_group(count_wrong(ds_work, want), group)
-        key = ("deepspeed", dtype_name, op, nbytes)
-        if key not in cache:
-            cache[key] = with_bandwidth(timer(lambda: deepspeed(ds_work), nbytes), nbytes, world)
-        ds = dict(cache[key], wrong=ds_wrong)
-    mpi_stats = None
+        others["deepspeed"] = (lambda: deepspeed(ds_work), sum_over_group(count_wrong(ds_work, want), group))
     if mpi is not None:
         mpi_work = x.clone()
         mpi.call(mpi_work, op)()
-        mpi_wrong = sum_over_group(count_wrong(mpi_work, want), group)
-        key = ("mpi", dtype_name, op, nbytes)
-        if key not in cache:
-            cache[key] = with_bandwidth(timer(mpi.call(mpi_work, op), nbytes), nbytes, world)
-        mpi_stats = dict(cache[key], wrong=mpi_wrong)
+        others["mpi"] = (mpi.call(mpi_work, op), sum_over_group(count_wrong(mpi_work, want), group))
     bound = None
     if device.type == "cpu":
         key = ("bound", nbytes)
@@ -424,14 +435,20 @@ def measure_size(comm, table, args, dtype_name, op, nbytes, device, timer, cache
 
         oop = timer(lambda: comm.all_reduce(x, op=op, algo=algo, out=out), nbytes, comm.capture)
         wrong += count_wrong(out, want)  # still right after many back-to-back (or replayed) calls
-        ip = timer(lambda: comm.all_reduce_(inplace, op=op, algo=algo), nbytes, comm.capture)
+        in_place = lambda: comm.all_reduce_(inplace, op=op, algo=algo)  # noqa: E731
+        beside = {}
+        if others:
+            beside = timer.interleaved({"ours": in_place, **{name: fn for name, (fn, _) in others.items()}}, nbytes)
+            ip = beside.pop("ours")
+        else:
+            ip = with_bandwidth(timer(in_place, nbytes, comm.capture), nbytes, world)
         wrong = sum_over_group(wrong, group)
         total_wrong += wrong
         rows.append({
             "backend": comm.backend, "size": nbytes, "count": count, "type": dtype_name, "redop": op,
             "algo": algo, "out_of_place": with_bandwidth(oop, nbytes, world),
-            "in_place": with_bandwidth(ip, nbytes, world), "reference": ref,
-            "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong, "deepspeed": ds, "mpi": mpi_stats,
+            "in_place": ip, "reference": ref, "speedup": ref["time_us"] / ip["time_us"], "wrong": wrong,
+            **{name: dict(beside[name], wrong=others[name][1]) if name in others else None for name, _ in OTHERS},
             "bound": bound, "pct_of_bound": 100 * bound["time_us"] / ip["time_us"] if bound else None,
         })
     return rows, total_wrong
@@ -633,7 +650,7 @@ def run(args):
         say(f"# MPI: {mpi.version} (MPI_Allreduce in place through mpi4py; 16-bit types as fp32 copies)")
     rows, wrong = [], 0
     for run_index in range(args.repeat):
-        cache = {}  # reference, DeepSpeed and bound timings: once per run
+        cache = {}  # reference and bound timings: once per run
         for backend in args.backends:
             comm = pyallreduce.Communicator(device=device, backend=backend, max_bytes=args.max_bytes)
             table = policy.lookup(kind, world, path=args.crossovers_file)

@@ -164,6 +164,24 @@ def test_crossover_is_the_start_of_the_winning_tail():
     assert got["two_shot_min_bytes"] == policy.NEVER and got["reference_min_bytes"] is None
 
 
+@pytest.mark.quick
+def test_other_all_reduces_are_timed_in_turns_with_ours(monkeypatch):
+    """On CPU, our in-place call and the other libraries of a row are timed in
+    ALTERNATIONS turns each, not one after the other: a shared machine's phase
+    (several-fold in speed, within seconds) then meets all of them, and the row
+    compares libraries, not phases."""
+    bench = bench_scripts.load("compare_nccl")
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("ours", "mpi")}
+    times = bench.time_cpu(fns, 30, 2)
+    assert {name: len(t) for name, t in times.items()} == {"ours": 30, "mpi": 30}
+    timed = calls[4:]  # after each one's 2 warm-up calls
+    turn = 30 // bench.ALTERNATIONS
+    assert timed[:2 * turn] == ["ours"] * turn + ["mpi"] * turn
+    assert sum(a != b for a, b in zip(timed, timed[1:])) == 2 * bench.ALTERNATIONS - 1, timed
+
+
 def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):
     """bench/backend_bench.py: every collective on gloo, the backend and a direct
     Communicator, each result checked (#wrong 0), and torch's floors (a
