@@ -136,8 +136,8 @@ def run(args):
                     wrong += int((result() != want).sum())
                 if before_timing:
                     before_timing()
-                row[f"{path}_us"] = slowest_rank_stats(time_cpu(run_call, args.iters, args.warmup),
-                                                       torch.device("cpu"))["time_us"]
+                times = time_cpu({path: run_call}, args.iters, args.warmup)[path]
+                row[f"{path}_us"] = slowest_rank_stats(times, torch.device("cpu"))["time_us"]
             row.setdefault("floor_us", None)
             t = torch.tensor([wrong])
             dist.all_reduce(t)

@@ -9,6 +9,7 @@
 //   kEpochOffset             epoch      [kMaxBlocks]             uint32
 //   kDescOffset              desc[2][kMaxBlocks][kMaxRanks]      CallDesc (16 bytes)
 //   kSleepOffset             sleeping                            uint32 (host backend)
+//   kCpuOffset               the CPU the rank runs on, plus one  uint32 (host backend)
 //   kDataOffset              data[2][max_bytes]                  staging buffers
 //
 // start_flags[b][q] / mid_flags[b][q] / desc[*][b][q] in rank r's region are
@@ -75,7 +76,11 @@ constexpr int64_t kDescArrayBytes = 2 * int64_t(kMaxBlocks) * kMaxRanks * kDescB
 // The host backend's "I may be asleep on a futex" word, alone on its cache line
 // (peers read it after every flag store; see csrc/cpu/all_reduce.cpp).
 constexpr int64_t kSleepOffset = kDescOffset + kDescArrayBytes;
-constexpr int64_t kSignalBytes = kSleepOffset + 64;
+// The host backend's "I run on CPU n" word (n + 1; 0 before the first
+// call), on its own cache line: written by the rank when it changed, read
+// by a peer spinning for it (csrc/cpu/all_reduce.cpp, wait_reached).
+constexpr int64_t kCpuOffset = kSleepOffset + 64;
+constexpr int64_t kSignalBytes = kCpuOffset + 64;
 constexpr int64_t kDataOffset = (kSignalBytes + kAlignment - 1) / kAlignment * kAlignment;
 
 // How often a CUDA kernel's wait, once it has lasted this long, reads its
