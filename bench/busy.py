@@ -17,8 +17,8 @@ is time the late rank, or another process, does not get.
 --back-to-back: no compute between calls (DDP's small buckets at the end of
 backward, FSDP's all-gathers, a benchmark), where a waiting rank most often
 finds its peer descheduled. Every call is timed on every rank; a call's time
-is the slowest rank's; the table gives the median and p99 over all calls of
-all repeats.
+is the slowest rank's; the table gives the median, p90 and p99 over all calls
+of all repeats.
 
 Conditions (--loads):
   0        only the ranks (with --nproc above the core count: oversubscribed)
@@ -55,6 +55,8 @@ from local_ranks import (MPIS, MpiAllreduce, add_launch_arguments, adopt_mpi_ran
                          under_torchrun)
 
 BACKENDS = ("pyallreduce", "gloo", "mpi")
+# Back to back: the per-call quantiles each row reports (name, q).
+QUANTILES = (("median", 0.5), ("p90", 0.9), ("p99", 0.99))
 HERE = Path(__file__).resolve().parent
 
 
@@ -164,8 +166,7 @@ def rank_main(args):
                     times[backend].append(max(every))
         if args.back_to_back:
             rows.append(dict(bytes=size, calls=len(times[args.backends[0]]),
-                             **{f"{b}_median_s": statistics.median(t) for b, t in times.items()},
-                             **{f"{b}_p99_s": percentile(t, 0.99) for b, t in times.items()}))
+                             **{f"{b}_{name}_s": percentile(t, q) for b, t in times.items() for name, q in QUANTILES}))
         else:
             rows.append(dict(bytes=size, **{f"{b}_loop_s": statistics.median(t) for b, t in times.items()},
                              **{f"{b}_runs_s": t for b, t in times.items()}))
@@ -219,8 +220,10 @@ def print_header(args, cores):
     others = args.backends[1:]
     if args.back_to_back:
         print(f"# {args.nproc} ranks on {cores} cores, fp32, back to back; per call (slowest rank), "
-              f"median and p99 over {args.repeats} alternating runs, microseconds; x: their time / ours")
-        cols = [f"{args.backends[0]} med", "p99"] + [c for b in others for c in (f"{b} med", "p99", "x med", "x p99")]
+              f"median, p90 and p99 over {args.repeats} alternating runs, microseconds; x: their time / ours")
+        names = [name for name, _ in QUANTILES]
+        cols = [f"{args.backends[0]} {names[0]}", *names[1:]] + [
+            c for b in others for c in (f"{b} {names[0]}", *names[1:], *(f"x {n}" for n in names))]
     else:
         print(f"# {args.nproc} ranks on {cores} cores, fp32, {args.iters} iterations "
               f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}, "
@@ -233,11 +236,11 @@ def print_rows(load, rows, args):
     ours, others = args.backends[0], args.backends[1:]
     for r in rows:
         if args.back_to_back:
-            cells = [r[f"{ours}_median_s"] * 1e6, r[f"{ours}_p99_s"] * 1e6]
+            names = [name for name, _ in QUANTILES]
+            text = " ".join(f"{r[f'{ours}_{n}_s'] * 1e6:>12.1f}" for n in names)
             for b in others:
-                cells += [r[f"{b}_median_s"] * 1e6, r[f"{b}_p99_s"] * 1e6,
-                          r[f"{b}_median_s"] / r[f"{ours}_median_s"], r[f"{b}_p99_s"] / r[f"{ours}_p99_s"]]
-            text = " ".join(f"{c:>12.1f}" if i < 2 or (i - 2) % 4 < 2 else f"{c:>12.2f}" for i, c in enumerate(cells))
+                text += "".join(f" {r[f'{b}_{n}_s'] * 1e6:>12.1f}" for n in names)
+                text += "".join(f" {r[f'{b}_{n}_s'] / r[f'{ours}_{n}_s']:>12.2f}" for n in names)
         else:
             cells = [r[f"{ours}_loop_s"]] + [c for b in others for c in (r[f"{b}_loop_s"],
                                                                           r[f"{b}_loop_s"] / r[f"{ours}_loop_s"])]
