@@ -182,6 +182,31 @@ def test_other_all_reduces_are_timed_in_turns_with_ours(monkeypatch):
     assert sum(a != b for a, b in zip(timed, timed[1:])) == 2 * bench.ALTERNATIONS - 1, timed
 
 
+@pytest.mark.quick
+def test_mpi_table_gives_each_mpis_median_ratio_over_the_runs(tmp_path):
+    """bench/mpi_table.py, the README's tables: per size and MPI, the median
+    over the runs of MPI's time / ours (median and p90), the range of the
+    times, the faster MPI's ratio, and a ratio below 1 in bold."""
+    def report(mpi, run, ours, theirs):
+        stats = lambda t: {"time_us": t, "p90_us": 2 * t}  # noqa: E731
+        row = {"algo": "auto", "size": 1024, "in_place": stats(ours), "mpi": stats(theirs),
+               "bound": {"time_us": 0.5}}
+        path = tmp_path / f"{mpi}-{run}.json"
+        path.write_text(json.dumps({"mpi": {"mpi": mpi}, "rows": [row]}))
+        return str(path)
+
+    # Open MPI's ratios over three runs: 2, 0.5, 1.5 (median 1.5); MPICH's: 0.8, 0.9, 0.7 (median 0.8).
+    files = [report("openmpi", 1, 1.0, 2.0), report("openmpi", 2, 2.0, 1.0), report("openmpi", 3, 2.0, 3.0),
+             report("mpich", 1, 1.0, 0.8), report("mpich", 2, 1.0, 0.9), report("mpich", 3, 1.0, 0.7)]
+    proc = subprocess.run([sys.executable, str(bench_scripts.BENCH_DIR / "mpi_table.py"), *files],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    header, _, line = proc.stdout.splitlines()
+    assert "Open MPI" in header and "MPICH" in header
+    assert line == ("| 1 KiB | 1.0–2.0 vs 1.0–3.0: 1.50 / 1.50 | 1.0 vs 0.7–0.9: **0.80** / **0.80** "
+                    "| **0.80** / **0.80** | 0.5 |"), line
+
+
 def test_backend_bench_run_checks_every_path_and_writes_json(tmp_path):
     """bench/backend_bench.py: every collective on gloo, the backend and a direct
     Communicator, each result checked (#wrong 0), and torch's floors (a
