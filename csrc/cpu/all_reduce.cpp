@@ -42,12 +42,15 @@ constexpr int kContendedCalls = 100;
 //                     but where the peer last ran on our own core (its
 //                     kCpuOffset word: each rank has a core, yet the scheduler
 //                     put two on one, most often at a wake-up), a yield at
-//                     every look instead: the peer waits behind us. Two
-//                     unbound ranks on 2 idle cores, 256 B back to back, the
-//                     spin alone: p90 ~60 us a call in some runs (spin 20 us,
-//                     sleep, wake-up, in turn), 3-17 us with the hand-over.
-//                     A hand-over that took kSliceLost gave another process
-//                     its slice: the wait sleeps from then on;
+//                     every look, before each sleep too: the peer waits behind
+//                     us (the hand-over), and running now it may spare us the
+//                     sleep and its wake-up, which would put us beside it
+//                     again. Two unbound ranks on 2 idle cores, 256 B back to
+//                     back, the spin alone: p90 ~60 us a call in some rows
+//                     (spin 20 us, sleep, wake-up, in turn), 1.6-17.5 us with
+//                     the hand-over. A look kSliceLost or more after the last (a
+//                     yield gave another process its slice; a sleep) ends the
+//                     hand-overs of that wait: at most one slice given away;
 //   or, where the ranks outnumber their cores (Context::ranks_outnumber_cores),
 //   sched_yield       for kYieldFor instead: some peer we wait for is not
 //                     running, most likely queued behind us on our own core,
@@ -64,7 +67,7 @@ constexpr int kContendedCalls = 100;
 //                     makes no syscall). One sleep lasts at most
 //                     kLivenessCheckPeriod, so the deadline, a dead peer
 //                     and an abort (Context::aborted) are noticed in time.
-// No yield where each rank has a core: under EEVDF (Linux >= 6.6) one yield
+// No yield stage where each rank has a core: under EEVDF (Linux >= 6.6) one yield
 // beside a busy process can hand it a whole slice (ms) while our peer runs on
 // another core (docs/architecture.md, "Waiting on a busy CPU"). Where the
 // ranks outnumber the cores the same happens beside other busy processes
@@ -189,7 +192,8 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
   Clock::time_point start{}, deadline{}, sleep_from{}, next_liveness_check{};
   bool slept = false;
   bool yielding = false;  // the stage before the sleep: spin, or yield (see kYieldFor)
-  bool hand_over = !ctx.ranks_outnumber_cores;  // the spin stage yields to a peer on our core (see kSpinFor)
+  bool hand_over = !ctx.ranks_outnumber_cores;  // yield to a peer on our core (see kSpinFor)
+  auto peer_cpu = [&](int q) { return __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED); };
   Clock::time_point last_look{};
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
@@ -206,12 +210,11 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
         sleep_from = now;
       }
       if (hand_over && last_look != Clock::time_point{} && now - last_look >= kSliceLost) {
-        hand_over = false;  // a hand-over gave another process its slice: sleep instead (kSliceLost)
-        sleep_from = now;
+        hand_over = false;  // a look long after the last (a slice given away, a sleep): no more hand-overs
       }
       last_look = now;
-      if (hand_over && __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED) == current_cpu()) {
-        sched_yield();  // the peer waits for our core (see kSpinFor)
+      if (hand_over && peer_cpu(q) != 0 && peer_cpu(q) == current_cpu()) {
+        sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
       }
       if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
         start = now;
