@@ -57,6 +57,7 @@ from local_ranks import (MPIS, MpiAllreduce, add_launch_arguments, adopt_mpi_ran
 BACKENDS = ("pyallreduce", "gloo", "mpi")
 # Back to back: the per-call quantiles each row reports (name, q).
 QUANTILES = (("median", 0.5), ("p90", 0.9), ("p99", 0.99))
+QUANTILE_NAMES = [name for name, _ in QUANTILES]
 HERE = Path(__file__).resolve().parent
 
 
@@ -221,9 +222,9 @@ def print_header(args, cores):
     if args.back_to_back:
         print(f"# {args.nproc} ranks on {cores} cores, fp32, back to back; per call (slowest rank), "
               f"median, p90 and p99 over {args.repeats} alternating runs, microseconds; x: their time / ours")
-        names = [name for name, _ in QUANTILES]
-        cols = [f"{args.backends[0]} {names[0]}", *names[1:]] + [
-            c for b in others for c in (f"{b} {names[0]}", *names[1:], *(f"x {n}" for n in names))]
+        first, *rest = QUANTILE_NAMES
+        cols = [f"{args.backends[0]} {first}", *rest] + [
+            c for b in others for c in (f"{b} {first}", *rest, *(f"x {n}" for n in QUANTILE_NAMES))]
     else:
         print(f"# {args.nproc} ranks on {cores} cores, fp32, {args.iters} iterations "
               f"of uneven compute + one all-reduce; loop time of the slowest rank, median of {args.repeats}, "
@@ -236,11 +237,10 @@ def print_rows(load, rows, args):
     ours, others = args.backends[0], args.backends[1:]
     for r in rows:
         if args.back_to_back:
-            names = [name for name, _ in QUANTILES]
-            text = " ".join(f"{r[f'{ours}_{n}_s'] * 1e6:>12.1f}" for n in names)
+            text = " ".join(f"{r[f'{ours}_{n}_s'] * 1e6:>12.1f}" for n in QUANTILE_NAMES)
             for b in others:
-                text += "".join(f" {r[f'{b}_{n}_s'] * 1e6:>12.1f}" for n in names)
-                text += "".join(f" {r[f'{b}_{n}_s'] / r[f'{ours}_{n}_s']:>12.2f}" for n in names)
+                text += "".join(f" {r[f'{b}_{n}_s'] * 1e6:>12.1f}" for n in QUANTILE_NAMES)
+                text += "".join(f" {r[f'{b}_{n}_s'] / r[f'{ours}_{n}_s']:>12.2f}" for n in QUANTILE_NAMES)
         else:
             cells = [r[f"{ours}_loop_s"]] + [c for b in others for c in (r[f"{b}_loop_s"],
                                                                           r[f"{b}_loop_s"] / r[f"{ours}_loop_s"])]
