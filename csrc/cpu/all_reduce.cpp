@@ -193,7 +193,6 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
   bool slept = false;
   bool yielding = false;  // the stage before the sleep: spin, or yield (see kYieldFor)
   bool hand_over = !ctx.ranks_outnumber_cores;  // yield to a peer on our core (see kSpinFor)
-  auto peer_cpu = [&](int q) { return __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED); };
   Clock::time_point last_look{};
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
@@ -213,8 +212,11 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
         hand_over = false;  // a look long after the last (a slice given away, a sleep): no more hand-overs
       }
       last_look = now;
-      if (hand_over && peer_cpu(q) != 0 && peer_cpu(q) == current_cpu()) {
-        sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
+      if (hand_over) {
+        const uint32_t peer_cpu = __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED);
+        if (peer_cpu != 0 && peer_cpu == current_cpu()) {
+          sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
+        }
       }
       if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
         start = now;
