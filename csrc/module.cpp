@@ -534,6 +534,17 @@ int64_t create_context(const std::vector<int64_t>& regions, int64_t rank, int64_
   return register_context(std::move(ctx));
 }
 
+// Host backend: this communicator's round size (Context::round_bytes), the
+// same on every rank, before its first call.
+void set_round_bytes(int64_t handle, int64_t round_bytes) {
+  using namespace pyallreduce;
+  TORCH_CHECK(round_bytes > 0 && round_bytes % kAlignment == 0, "pyallreduce: round_bytes must be a positive ",
+              "multiple of ", kAlignment, ", got ", round_bytes);
+  std::shared_ptr<Context> ctx = get_context(handle);
+  std::lock_guard<std::mutex> lock(ctx->in_flight);
+  ctx->round_bytes = round_bytes;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -544,6 +555,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ABORTED_BY") = kAbortedBy;
   m.attr("MAX_BLOCKS") = kMaxBlocks;
   m.attr("ALIGNMENT") = kAlignment;
+  m.attr("DEFAULT_ROUND_BYTES") = kDefaultRoundBytes;
   m.attr("START_FLAGS_OFFSET") = kStartFlagsOffset;
   m.attr("MID_FLAGS_OFFSET") = kMidFlagsOffset;
   m.attr("EPOCH_OFFSET") = kEpochOffset;
@@ -575,6 +587,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("create_context", &create_context, py::arg("regions"), py::arg("rank"),
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"), py::arg("ranks_outnumber_cores") = false);
+  m.def("set_round_bytes", &set_round_bytes, py::arg("handle"), py::arg("round_bytes"),
+        "the host backend's round size of this communicator (every rank the same), before its first call");
   // Both wait for a call in flight on another thread, which may need the GIL to finish.
   m.def(
       "seal_context", [](int64_t handle) { seal_context(handle); }, py::arg("handle"),

@@ -32,11 +32,13 @@ def wanted(device, backend, crossover):
             and os.environ.get(ENV, "1") != "0")
 
 
-def measure(engine_class, group, rank, world_size, device, nblocks, timeout_s, kind, default):
+def measure(engine_class, group, rank, world_size, device, nblocks, timeout_s, kind, default, round_bytes):
     """Collective: the crossover for this machine (default: the row it
-    replaces, whose reference crossover it keeps); rank 0 writes it to the cache file."""
+    replaces, whose reference crossover it keeps), timed in the rounds the
+    Communicator will run (round_bytes: group.GroupSetup's); rank 0 writes it to the cache file."""
     engine = engine_class(group, rank, device, max(SIZES), nblocks, timeout_s)
     try:
+        _C.set_round_bytes(engine.handle, round_bytes)
         def all_reduce_(tensor, kernel):
             if not _C.try_collective_eager(tensor, tensor, engine.handle, kernel, False):
                 raise RuntimeError("pyallreduce: the crossover measurement's call was declined")

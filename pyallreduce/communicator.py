@@ -80,10 +80,13 @@ class Communicator:
         self.nblocks, self._crossover, self.fallback_reason = setup.nblocks, setup.crossover, setup.fallback_reason
         if self.fallback_reason is None and setup.calibrate:
             self._crossover = calibrate.measure(engine_type, self.group, self.rank, self.world_size, self.device,
-                                                self.nblocks, self.timeout_s, setup.kind, setup.crossover)
+                                                self.nblocks, self.timeout_s, setup.kind, setup.crossover,
+                                                setup.round_bytes)
         if self.fallback_reason is None:
             self._engine = engine_type(self.group, self.rank, self.device, self.max_bytes, self.nblocks,
                                        self.timeout_s)
+            if setup.round_bytes is not None and self._engine.handle is not None:
+                _C.set_round_bytes(self._engine.handle, setup.round_bytes)  # the host backend's rounds
             if self._engine.handle is not None and not self.debug:
                 self._eager = EagerPath(self._engine.handle, self._crossover)
             live.opened(self, setup.gpu, self.nblocks)

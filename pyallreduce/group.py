@@ -46,6 +46,7 @@ class GroupSetup:
     gpu: Optional[str]              # the GPU whose blocks the kernels hold (policy.resident_nblocks)
     kind: Optional[str] = None      # rank 0's device kind (policy.device_kind)
     calibrate: bool = False         # rank 0's answer: measure the crossover here (calibrate.py)
+    round_bytes: Optional[int] = None  # rank 0's policy.host_round_bytes (CPU tensors)
 
 
 def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, nblocks) -> GroupSetup:
@@ -56,7 +57,9 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
     takes rank 0's crossover row on every rank (a rank whose kind differs, e.g.
     another PYALLREDUCE_CPU_ISA, or that read a cache file another process
     had just written, would otherwise pick other algorithms), and rank 0's
-    answer to whether it is to be measured here."""
+    answer to whether it is to be measured here, and on CPU its round size
+    (policy.host_round_bytes: ranks with other round sizes would wait for
+    rounds their peers never run)."""
     kind, kind_error = None, None
     try:
         kind = policy.device_kind(device)
@@ -67,12 +70,14 @@ def agree_on_group(group, world_size, device, backend, engine_class, max_bytes, 
         gpu = (*gpu, live.blocks_held(gpu[0]))
     crossover = policy.lookup(kind, world_size) if kind is not None else None
     measure = crossover is not None and calibrate.wanted(device, backend, crossover)
-    mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error, crossover, measure)
+    round_bytes = policy.host_round_bytes() if device.type == "cpu" else None
+    mine = (host_id(), backend, device.type, max_bytes, nblocks, gpu, kind, kind_error, crossover, measure,
+            round_bytes)
     every = gather(mine, group)
     failed = [f"rank {q}: {e[7]}" for q, e in enumerate(every) if e[7]]
     if failed:
         raise RuntimeError("pyallreduce: " + "; ".join(failed))
-    setup = GroupSetup(None, every[0][8], nblocks, None, every[0][6], every[0][9])
+    setup = GroupSetup(None, every[0][8], nblocks, None, every[0][6], every[0][9], every[0][10])
     if len({e[1:5] for e in every}) > 1:
         rows = "\n".join(f"  rank {q}: backend={e[1]!r}, device={e[2]}, max_bytes={e[3]}, nblocks={e[4]}"
                          for q, e in enumerate(every))

@@ -73,15 +73,23 @@ def test_exact_sums_eight_ranks():
     run_ranks(check_exact_sums_small, 8, timeout=240)
 
 
-HOST_ROUND_BYTES = 256 << 10  # csrc/cpu/all_reduce.cpp's kRoundBytes: larger messages run in rounds
+# What policy.host_round_bytes answers on rank 0 and on the other ranks (a
+# hybrid CPU's cores differ): every rank must run rank 0's rounds, or the
+# others wait for rounds rank 0 never runs.
+ROUND_ANSWERS = (512 << 10, 256 << 10)
 
 
 def check_several_rounds(rank, world):
     """Messages of several protocol rounds, with partial last rounds, in one call."""
-    with make_comm(max_bytes=4 * HOST_ROUND_BYTES) as comm:
+    from pyallreduce import policy
+
+    answer = ROUND_ANSWERS[min(rank, 1)]
+    policy.host_round_bytes = lambda: answer  # this process only
+    round_bytes = ROUND_ANSWERS[0]
+    with make_comm(max_bytes=4 * round_bytes) as comm:
         for dtype in (torch.float32, torch.bfloat16):
             elem = torch.empty((), dtype=dtype).element_size()
-            per_round = HOST_ROUND_BYTES // elem
+            per_round = round_bytes // elem
             for numel in (per_round - 1, per_round + 1, 3 * per_round + 7):
                 for algo in ("one_shot", "two_shot"):
                     want = exact_sum(numel, world, dtype, salt=numel)
@@ -95,6 +103,31 @@ def check_several_rounds(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_messages_of_several_rounds(world):
     run_ranks(check_several_rounds, world, timeout=240)
+
+
+def check_rounds_of_any_size(rank, world):
+    """Rounds far smaller than staging, as _C.set_round_bytes allows: every
+    collective exact across their boundaries; a size that is no multiple of
+    the alignment refused."""
+    from pyallreduce import _C
+
+    with make_comm() as comm:
+        _C.set_round_bytes(comm._engine.handle, _C.ALIGNMENT)
+        per_round = _C.ALIGNMENT // 4
+        for numel in (per_round + 1, 5 * per_round + 3):
+            for algo in ("one_shot", "two_shot"):
+                got = comm.all_reduce(exact_input(numel, rank, torch.float32, salt=numel), algo=algo)
+                assert torch.equal(got, exact_sum(numel, world, torch.float32, salt=numel)), (numel, algo)
+        segments = exact_input(world * 3 * per_round, rank, torch.float32)
+        total = exact_sum(world * 3 * per_round, world, torch.float32)
+        assert torch.equal(comm.reduce_scatter(segments), total.chunk(world)[rank])
+        assert torch.equal(comm.all_gather(total.chunk(world)[rank]), total)
+        with pytest.raises(RuntimeError, match=f"round_bytes must be a positive multiple of {_C.ALIGNMENT}, got 1000"):
+            _C.set_round_bytes(comm._engine.handle, 1000)
+
+
+def test_rounds_of_any_size():
+    run_ranks(check_rounds_of_any_size, 2, timeout=240)
 
 
 def average_and_random(rank, world):

@@ -278,6 +278,27 @@ def test_winning_tail_start_ignores_a_win_below_a_loss():
     assert policy.winning_tail_start([1, 2], {1: True, 2: True}.get) == 1
 
 
+def _caches(tmp_path, l2_size):
+    """A sysfs cache directory like Linux's, whose L2 is l2_size (None: no L2 listed)."""
+    for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (2, "Unified", l2_size), (3, "Unified", "32768K")]):
+        if size is not None:
+            index = tmp_path / f"index{i}"
+            index.mkdir()
+            for name, value in (("level", level), ("type", kind), ("size", size)):
+                (index / name).write_text(f"{value}\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("l2, rounds", [("1024K", 512 << 10), ("1280K", 512 << 10), ("2048K", 512 << 10),
+                                        ("2M", 512 << 10), ("512K", 256 << 10), ("256K", 256 << 10),
+                                        (None, 256 << 10), ("odd", 256 << 10)])
+def test_host_rounds_are_half_the_l2_within_bounds(tmp_path, l2, rounds):
+    from pyallreduce import _C
+
+    assert _C.DEFAULT_ROUND_BYTES == 256 << 10 and policy.ROUND_BYTES_MAX == 512 << 10
+    assert policy.host_round_bytes(_caches(tmp_path, l2)) == rounds
+
+
 FAKE_KIND = "cpu:A CPU no table knows:avx512"
 
 

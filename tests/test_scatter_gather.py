@@ -9,7 +9,7 @@ import torch
 from launch import run_ranks
 from reference import DTYPES, fp32_reduction, random_input, triton_kernels_unusable
 
-MAX_BYTES = 64 << 10  # small: merged rounds are then several, as are 256 KiB rounds at the larger sizes
+MAX_BYTES = 64 << 10  # small: rounds (max_bytes / W per segment here), merged or not, are then several
 TIMEOUT = 240
 
 
@@ -23,7 +23,7 @@ def make_comm(**kw):
 
 def segment_sizes(dtype, world):
     """Elements per segment: tiny, off every 64-byte boundary, and across the
-    256 KiB round (a piece of kRoundBytes / W per segment) and max_bytes."""
+    default round (a piece of 256 KiB / W per segment) and max_bytes."""
     elem = torch.empty((), dtype=dtype).element_size()
     piece = (256 << 10) // world // elem
     return sorted({1, 3, 17, 1000, piece - 1, piece + 5, 3 * piece + 7, MAX_BYTES // elem + 9})

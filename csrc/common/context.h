@@ -19,6 +19,11 @@ namespace pyallreduce {
 
 // Who ends a communicator without its peers, for the error of a call that
 // gave up waiting because of it (every backend's, Python's through _C).
+// Host backend: the bytes of one round of a large call (csrc/cpu/all_reduce.cpp,
+// run_rounds) until the Communicator sets this machine's (set_round_bytes,
+// policy.host_round_bytes); measured on the 2-core Intel Xeon VM.
+constexpr int64_t kDefaultRoundBytes = 256 << 10;
+
 constexpr const char* kAbortedBy =
     "Communicator.abort(), torch.distributed's abort of its process group, or a close after an error or at exit";
 
@@ -62,6 +67,9 @@ struct Context {
   // reads alike.
   int contended_calls = 0;
   bool merge_rounds = false;
+  // Host backend: the size of a round (run_rounds), the same on every rank
+  // (rank 0's choice, group.agree_on_group), set before the first call.
+  int64_t round_bytes = kDefaultRoundBytes;
 
   char* own_region() const { return regions[rank]; }
 };

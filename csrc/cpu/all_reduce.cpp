@@ -30,7 +30,6 @@ constexpr int kBlock = 0;                  // the host backend runs one block pe
 constexpr int64_t kSliceAlignBytes = 64;   // two-shot slice boundaries: one writer per cache line
 constexpr int64_t kTileElems = 512;        // fp32 accumulator tile, stays in L1
 constexpr int64_t kParallelGrainBytes = 256 << 10;
-constexpr int64_t kRoundBytes = 256 << 10;  // see run_rounds; a multiple of every element size
 // A long wait inside a call makes this rank report contended cores for this
 // many calls (see run_rounds): once merged, a call has few inner waits
 // left to notice contention with, so one short call must not end it.
@@ -610,7 +609,7 @@ RoundWaits all_reduce_round(Context& ctx, CallDesc call, at::ScalarType dtype, c
   return waits;
 }
 
-// Large messages go in rounds of kRoundBytes: each round's staging copy is still
+// Large messages go in rounds of ctx.round_bytes: each round's staging copy is still
 // in cache when the peers read it, where one round over the whole message would
 // have evicted its start by then (L2 is a few MiB). Costs a barrier or two per
 // round, which is cheap while every rank has a core to itself, and not when the
@@ -699,17 +698,17 @@ void host_collective(Context& ctx, const at::Tensor& input, at::Tensor& out, int
                         (ctx.contended_calls > 0 ? kDescContended : 0u);
   const CallDesc call{static_cast<uint64_t>(bytes), 0, kind};
   if (!(scatters || gathers)) {
-    return run_rounds(ctx, bytes, kRoundBytes, bytes, [&](int64_t done, int64_t len) {
+    return run_rounds(ctx, bytes, ctx.round_bytes, bytes, [&](int64_t done, int64_t len) {
       return all_reduce_round(ctx, call, input.scalar_type(), src + done, dst + done, len, algo, average);
     });
   }
-  // A round moves a piece of every segment: W pieces of kRoundBytes / W, as
+  // A round moves a piece of every segment: W pieces of round_bytes / W, as
   // much traffic as an all-reduce round; merged, as much as staging holds.
   // Multiples of kSliceAlignBytes, which every element size divides.
   auto piece = [&](int64_t total) {
     return std::max(kSliceAlignBytes, total / ctx.world_size / kSliceAlignBytes * kSliceAlignBytes);
   };
-  const int64_t round_len = piece(std::min(kRoundBytes, ctx.max_bytes));
+  const int64_t round_len = piece(std::min(ctx.round_bytes, ctx.max_bytes));
   if (scatters) {
     return run_rounds(ctx, segment, round_len, piece(ctx.max_bytes), [&](int64_t a, int64_t len) {
       return reduce_scatter_round(ctx, call, input.scalar_type(), src, dst, segment, a, len, average);
