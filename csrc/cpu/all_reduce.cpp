@@ -73,15 +73,23 @@ constexpr int kContendedCalls = 100;
 // (4 ranks on 2 cores, 2 processes spinning: ~4 ms a 256 B call): a yield
 // that took kSliceLost or more while more tasks than ranks were runnable
 // (others_runnable: a long yield can also be a peer on our core computing)
-// ends the stage and marks this rank's cores
-// contended (Context::contended_calls), which turns the yield stage off for
-// that many calls (the spin stage instead) and merges the rounds (run_rounds).
+// ends the stage, and the second such yield within kSliceLostAgainWithin
+// calls marks this rank's cores contended (Context::contended_calls), which
+// turns the yield stage off for that many calls (the spin stage instead) and
+// merges the rounds (run_rounds). Not the first alone: others_runnable reads
+// one instant, where a task may be runnable for that instant only (a
+// launcher's or a library's thread), and such lone yeses (4 in 2400 calls of
+// 256 B, 4 ranks on 2 cores, bench/busy.py) each turned 100 calls to the spin
+// stage: p90 102 us at 4 KiB on an idle machine, 96 us at 256 B beside two
+// spinning processes, against 37 and 48 us with the second one required.
+// Contention that lasts loses slices again within a few calls.
 // The clock is read every kSpinsPerClockCheck pauses (a vDSO read costs tens
 // of nanoseconds), so a spin that was descheduled ends at its next look, and
 // after every yield.
 constexpr auto kSpinFor = std::chrono::microseconds(20);
 constexpr auto kYieldFor = std::chrono::microseconds(50);
 constexpr auto kSliceLost = std::chrono::milliseconds(1);
+constexpr int64_t kSliceLostAgainWithin = 10;  // calls
 constexpr int kSpinsPerClockCheck = 16;
 constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
 
@@ -203,7 +211,8 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
       if (!yielding && spins % kSpinsPerClockCheck != 0) continue;  // a yield may have taken a slice: look
       const auto now = Clock::now();
       if (yielding && now - last_look >= kSliceLost && others_runnable(ctx)) {  // see kSliceLost
-        ctx.contended_calls = kContendedCalls;
+        if (ctx.calls - ctx.slice_lost_call <= kSliceLostAgainWithin) ctx.contended_calls = kContendedCalls;
+        ctx.slice_lost_call = ctx.calls;
         yielding = false;
         sleep_from = now;
       }
