@@ -82,3 +82,33 @@ def delayed_waits(rank, world, seed, one_core):
 def test_no_lost_wake_up_when_ranks_stall_at_every_point_of_the_wait(world, one_core):
     run_ranks(delayed_waits, world, 11 + world, one_core, timeout=240,
               env={"PYALLREDUCE_TEST_WAIT_DELAY_US": str(DELAY_US)})
+
+
+def ranks_started_on_one_cpu(rank, world, cores):
+    """Ranks allowed two CPUs, both put on the first: the higher rank moves
+    off (csrc/cpu/all_reduce.cpp, move_off_shared_cpu) and gives its thread
+    back the affinity it had; every result exact meanwhile."""
+    import os
+
+    import pyallreduce
+
+    os.sched_setaffinity(0, cores)
+    comm = pyallreduce.Communicator(max_bytes=64 << 10, timeout=TIMEOUT_S)
+    assert not pyallreduce.policy.ranks_outnumber_cores(comm._engine.transport.pids)  # the hand-over applies
+    os.sched_setaffinity(0, {min(cores)})  # both on one CPU now,
+    os.sched_setaffinity(0, cores)  # allowed the other, as the scheduler would leave them
+    for call in range(CALLS * 2):
+        got = comm.all_reduce(exact_input(64, rank, torch.float32, salt=call))
+        assert torch.equal(got, exact_sum(64, 2, torch.float32, salt=call)), f"call {call}: wrong result"
+        assert os.sched_getaffinity(0) == cores, f"call {call}: affinity {os.sched_getaffinity(0)}, not {cores}"
+    comm.close()
+
+
+@pytest.mark.quick
+def test_ranks_on_one_cpu_part_and_keep_their_affinity():
+    import os
+
+    cores = set(sorted(os.sched_getaffinity(0))[:2])
+    if len(cores) < 2:
+        pytest.skip("needs two CPUs")
+    run_ranks(ranks_started_on_one_cpu, 2, cores, timeout=240)

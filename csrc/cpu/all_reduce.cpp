@@ -49,7 +49,12 @@ constexpr int kContendedCalls = 100;
 //                     (spin 20 us, sleep, wake-up, in turn), 1.6-17.5 us with
 //                     the hand-over. A look kSliceLost or more after the last (a
 //                     yield gave another process its slice; a sleep) ends the
-//                     hand-overs of that wait: at most one slice given away;
+//                     hand-overs of that wait: at most one slice given away.
+//                     Where that lasts (kMoveAfterSharedWaits waits in a
+//                     row), the higher rank of the two moves to a CPU no
+//                     rank uses (move_off_shared_cpu): 2 unbound ranks,
+//                     256 B-4 KiB back to back, p90 14-22 us a call taking
+//                     turns, 1-4 us apart (bench/busy.py);
 //   or, where the ranks outnumber their cores (Context::ranks_outnumber_cores),
 //   sched_yield       for kYieldFor instead: some peer we wait for is not
 //                     running, most likely queued behind us on our own core,
@@ -90,6 +95,7 @@ constexpr auto kSpinFor = std::chrono::microseconds(20);
 constexpr auto kYieldFor = std::chrono::microseconds(50);
 constexpr auto kSliceLost = std::chrono::milliseconds(1);
 constexpr int64_t kSliceLostAgainWithin = 10;  // calls
+constexpr int kMoveAfterSharedWaits = 3;  // waits in a row that found a peer on our core (move_off_shared_cpu)
 constexpr int kSpinsPerClockCheck = 16;
 constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
 
@@ -128,6 +134,33 @@ void publish_cpu(const Context& ctx) {
   uint32_t* word = cpu_word(ctx.own_region());
   const uint32_t cpu = current_cpu();
   if (__atomic_load_n(word, __ATOMIC_RELAXED) != cpu) __atomic_store_n(word, cpu, __ATOMIC_RELAXED);
+}
+
+// Moves this thread to a CPU of its affinity that no rank last ran on (their
+// kCpuOffset words), the next such CPU after its own (CPUs numbered near each
+// other most often share a socket), then gives it back its whole affinity,
+// which the move leaves as it was. The scheduler keeps two ranks that wake
+// each other on one core (a wake-up puts the woken task beside its waker, and
+// the balancer does not move a task that ran a moment ago), where the
+// hand-over alone leaves them taking turns (wait_reached,
+// kMoveAfterSharedWaits). Returns whether it moved.
+bool move_off_shared_cpu(const Context& ctx) {
+  cpu_set_t allowed, target;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return false;
+  const int here = sched_getcpu();
+  CPU_ZERO(&target);
+  for (int i = 1; i < CPU_SETSIZE && CPU_COUNT(&target) == 0; ++i) {
+    const int cpu = (here + i) % CPU_SETSIZE;
+    bool used = !CPU_ISSET(cpu, &allowed);
+    for (int q = 0; q < ctx.world_size && !used; ++q) {
+      used = __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED) == static_cast<uint32_t>(cpu + 1);
+    }
+    if (!used) CPU_SET(cpu, &target);
+  }
+  if (here < 0 || CPU_COUNT(&target) == 0 || sched_setaffinity(0, sizeof target, &target) != 0) return false;
+  sched_setaffinity(0, sizeof allowed, &allowed);
+  publish_cpu(ctx);
+  return true;
 }
 
 // A shared (not FUTEX_PRIVATE) futex: the word lives in memory mapped by
@@ -200,6 +233,7 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
   bool slept = false;
   bool yielding = false;  // the stage before the sleep: spin, or yield (see kYieldFor)
   bool hand_over = !ctx.ranks_outnumber_cores;  // yield to a peer on our core (see kSpinFor)
+  bool counted_shared = false;  // this wait found a peer on our core (Context::shared_cpu_waits)
   Clock::time_point last_look{};
   for (int q = 0; q < ctx.world_size; ++q) {
     for (int64_t spins = 1; !arrived(q); ++spins) {
@@ -222,7 +256,19 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
       last_look = now;
       if (hand_over) {
         const uint32_t peer_cpu = __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED);
-        if (peer_cpu != 0 && peer_cpu == current_cpu()) {
+        const bool shared = peer_cpu != 0 && peer_cpu == current_cpu();
+        if (shared && !counted_shared) {
+          counted_shared = true;
+          ctx.shared_cpu_waits += 1;
+        }
+        if (!shared && peer_cpu != 0) ctx.shared_cpu_waits = 0;
+        // The higher rank of the two moves, so that two ranks do not move at once. Also beside other
+        // busy processes: the balancer counts tasks, so two ranks on one core and two spinners on the
+        // other look balanced to it (2 ranks, 2 spinners, 256 B: p90 26 us staying, 2 us moving).
+        if (shared && ctx.rank > q && ctx.shared_cpu_waits >= kMoveAfterSharedWaits &&
+            move_off_shared_cpu(ctx)) {
+          ctx.shared_cpu_waits = 0;
+        } else if (shared) {
           sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
         }
       }
