@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import platform
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +75,9 @@ def host_round_bytes(caches=CPU0_CACHES):
     try:
         for index in caches.glob("index*"):
             if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip()
-                l2 = int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
-    except (OSError, ValueError):
+                size = re.fullmatch(r"(\d+)([KM]?)", (index / "size").read_text().strip())  # "1024K"
+                l2 = int(size[1]) << {"": 0, "K": 10, "M": 20}[size[2]] if size else None
+    except OSError:
         l2 = None
     if not l2:
         return _C.DEFAULT_ROUND_BYTES

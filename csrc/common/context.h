@@ -17,13 +17,13 @@
 
 namespace pyallreduce {
 
-// Who ends a communicator without its peers, for the error of a call that
-// gave up waiting because of it (every backend's, Python's through _C).
 // Host backend: the bytes of one round of a large call (csrc/cpu/all_reduce.cpp,
 // run_rounds) until the Communicator sets this machine's (set_round_bytes,
 // policy.host_round_bytes); measured on the 2-core Intel Xeon VM.
 constexpr int64_t kDefaultRoundBytes = 256 << 10;
 
+// Who ends a communicator without its peers, for the error of a call that
+// gave up waiting because of it (every backend's, Python's through _C).
 constexpr const char* kAbortedBy =
     "Communicator.abort(), torch.distributed's abort of its process group, or a close after an error or at exit";
 
