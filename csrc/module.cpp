@@ -535,13 +535,17 @@ int64_t create_context(const std::vector<int64_t>& regions, int64_t rank, int64_
 }
 
 // Host backend: this communicator's round size (Context::round_bytes), the
-// same on every rank, before its first call.
+// same on every rank, before its first call: a rank that changed it later
+// would run other rounds than its peers, whose descriptors carry only the
+// call's size.
 void set_round_bytes(int64_t handle, int64_t round_bytes) {
   using namespace pyallreduce;
   TORCH_CHECK(round_bytes > 0 && round_bytes % kAlignment == 0, "pyallreduce: round_bytes must be a positive ",
               "multiple of ", kAlignment, ", got ", round_bytes);
   std::shared_ptr<Context> ctx = get_context(handle);
   std::lock_guard<std::mutex> lock(ctx->in_flight);
+  TORCH_CHECK(ctx->calls == 0, "pyallreduce: set_round_bytes after the communicator's first call (",
+              ctx->calls, " made); every rank must set it right after creating the communicator");
   ctx->round_bytes = round_bytes;
 }
 
@@ -588,7 +592,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_bytes"), py::arg("nblocks"), py::arg("timeout_s"), py::arg("device"),
         py::arg("pids"), py::arg("ranks_outnumber_cores") = false);
   m.def("set_round_bytes", &set_round_bytes, py::arg("handle"), py::arg("round_bytes"),
-        "the host backend's round size of this communicator (every rank the same), before its first call");
+        "the host backend's round size of this communicator (every rank the same), before its first call",
+        py::call_guard<py::gil_scoped_release>());
   // Both wait for a call in flight on another thread, which may need the GIL to finish.
   m.def(
       "seal_context", [](int64_t handle) { seal_context(handle); }, py::arg("handle"),

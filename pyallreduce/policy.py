@@ -77,12 +77,11 @@ def host_round_bytes(caches=CPU0_CACHES):
             if (index / "level").read_text().strip() == "2":
                 size = re.fullmatch(r"(\d+)([KM]?)", (index / "size").read_text().strip())  # "1024K"
                 l2 = int(size[1]) << {"": 0, "K": 10, "M": 20}[size[2]] if size else None
-    except OSError:
+    except (OSError, ValueError):  # ValueError: not text
         l2 = None
-    if not l2:
+    if not l2 or l2 // 2 < _C.DEFAULT_ROUND_BYTES:
         return _C.DEFAULT_ROUND_BYTES
-    half = 1 << ((l2 // 2).bit_length() - 1)
-    return max(_C.DEFAULT_ROUND_BYTES, min(ROUND_BYTES_MAX, half))
+    return min(ROUND_BYTES_MAX, 1 << ((l2 // 2).bit_length() - 1))
 
 
 @dataclass(frozen=True)

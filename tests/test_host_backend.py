@@ -1,6 +1,7 @@
 """The CPU backend over shared memory: exact sums, bitwise agreement, every
 size class (tails, both sides of the crossover and of max_bytes), in-place and
 out-of-place, back-to-back calls with random per-rank delays."""
+import ctypes
 import random
 import time
 
@@ -81,12 +82,17 @@ ROUND_ANSWERS = (512 << 10, 256 << 10)
 
 def check_several_rounds(rank, world):
     """Messages of several protocol rounds, with partial last rounds, in one call."""
-    from pyallreduce import policy
+    from pyallreduce import _C, policy
 
     answer = ROUND_ANSWERS[min(rank, 1)]
     policy.host_round_bytes = lambda: answer  # this process only
     round_bytes = ROUND_ANSWERS[0]
     with make_comm(max_bytes=4 * round_bytes) as comm:
+        # Rank 0's rounds, by the epochs a call of 3 rounds and a bit takes (one: merged after contention).
+        epoch = ctypes.c_uint32.from_address(comm._engine.transport.regions[rank] + _C.EPOCH_OFFSET)
+        before = epoch.value
+        comm.all_reduce(torch.ones(3 * round_bytes // 4 + 1))
+        assert epoch.value - before in (1, 4), f"{epoch.value - before} rounds, not rank 0's 4"
         for dtype in (torch.float32, torch.bfloat16):
             elem = torch.empty((), dtype=dtype).element_size()
             per_round = round_bytes // elem
@@ -124,6 +130,8 @@ def check_rounds_of_any_size(rank, world):
         assert torch.equal(comm.all_gather(total.chunk(world)[rank]), total)
         with pytest.raises(RuntimeError, match=f"round_bytes must be a positive multiple of {_C.ALIGNMENT}, got 1000"):
             _C.set_round_bytes(comm._engine.handle, 1000)
+        with pytest.raises(RuntimeError, match="set_round_bytes after the communicator's first call"):
+            _C.set_round_bytes(comm._engine.handle, _C.ALIGNMENT)
 
 
 def test_rounds_of_any_size():

@@ -291,7 +291,8 @@ def _caches(tmp_path, l2_size):
 
 @pytest.mark.parametrize("l2, rounds", [("1024K", 512 << 10), ("1280K", 512 << 10), ("2048K", 512 << 10),
                                         ("2M", 512 << 10), ("512K", 256 << 10), ("256K", 256 << 10),
-                                        (None, 256 << 10), ("odd", 256 << 10), ("", 256 << 10)])
+                                        (None, 256 << 10), ("odd", 256 << 10), ("", 256 << 10),
+                                        ("1", 256 << 10), ("0K", 256 << 10)])
 def test_host_rounds_are_half_the_l2_within_bounds(tmp_path, l2, rounds):
     from pyallreduce import _C
 

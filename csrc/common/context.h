@@ -68,7 +68,9 @@ struct Context {
   int contended_calls = 0;
   bool merge_rounds = false;
   int64_t slice_lost_call = -(int64_t{1} << 40);  // the last call whose yield lost a slice (wait_reached)
-  int shared_cpu_waits = 0;  // waits in a row that found the awaited peer on this rank's CPU (wait_reached)
+  // Waits in a row that found the awaited peer on this rank's CPU, up to the
+  // number that moves it; negative after a move that failed (wait_reached).
+  int shared_cpu_waits = 0;
   // Host backend: the size of a round (run_rounds), the same on every rank
   // (rank 0's choice, group.agree_on_group), set before the first call.
   int64_t round_bytes = kDefaultRoundBytes;

@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -96,6 +97,7 @@ constexpr auto kYieldFor = std::chrono::microseconds(50);
 constexpr auto kSliceLost = std::chrono::milliseconds(1);
 constexpr int64_t kSliceLostAgainWithin = 10;  // calls
 constexpr int kMoveAfterSharedWaits = 3;  // waits in a row that found a peer on our core (move_off_shared_cpu)
+constexpr int kRetryMoveAfterWaits = 1000;  // such waits after a move that failed
 constexpr int kSpinsPerClockCheck = 16;
 constexpr auto kLivenessCheckPeriod = std::chrono::milliseconds(100);
 
@@ -136,29 +138,76 @@ void publish_cpu(const Context& ctx) {
   if (__atomic_load_n(word, __ATOMIC_RELAXED) != cpu) __atomic_store_n(word, cpu, __ATOMIC_RELAXED);
 }
 
-// Moves this thread to a CPU of its affinity that no rank last ran on (their
-// kCpuOffset words), the next such CPU after its own (CPUs numbered near each
-// other most often share a socket), then gives it back its whole affinity,
-// which the move leaves as it was. The scheduler keeps two ranks that wake
-// each other on one core (a wake-up puts the woken task beside its waker, and
-// the balancer does not move a task that ran a moment ago), where the
-// hand-over alone leaves them taking turns (wait_reached,
-// kMoveAfterSharedWaits). Returns whether it moved.
-bool move_off_shared_cpu(const Context& ctx) {
-  cpu_set_t allowed, target;
-  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return false;
-  const int here = sched_getcpu();
-  CPU_ZERO(&target);
-  for (int i = 1; i < CPU_SETSIZE && CPU_COUNT(&target) == 0; ++i) {
-    const int cpu = (here + i) % CPU_SETSIZE;
-    bool used = !CPU_ISSET(cpu, &allowed);
-    for (int q = 0; q < ctx.world_size && !used; ++q) {
-      used = __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED) == static_cast<uint32_t>(cpu + 1);
-    }
-    if (!used) CPU_SET(cpu, &target);
+// The CPUs that share the last-level cache with `cpu` (sysfs, "0-15,32-47";
+// empty where it cannot be read).
+cpu_set_t cpus_sharing_llc(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::ifstream list("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/cache/index3/shared_cpu_list");
+  std::string range;
+  while (std::getline(list, range, ',')) {
+    int first = -1, last = -1;
+    const int fields = std::sscanf(range.c_str(), "%d-%d", &first, &last);
+    if (fields < 1) break;
+    if (fields == 1) last = first;
+    for (int c = std::max(0, first); c <= last && c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
   }
-  if (here < 0 || CPU_COUNT(&target) == 0 || sched_setaffinity(0, sizeof target, &target) != 0) return false;
-  sched_setaffinity(0, sizeof allowed, &allowed);
+  return set;
+}
+
+// Set by PYALLREDUCE_CPU_MOVE=0: ranks that share a core never move (wait_reached).
+bool moves_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("PYALLREDUCE_CPU_MOVE");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return allowed;
+}
+
+// Moves this thread to a CPU of its affinity that no rank last ran on (their
+// kCpuOffset words), one sharing our last-level cache where there is one
+// (else the next by number), then sets back the affinity it had, which the
+// move leaves as it was. The scheduler keeps two ranks that wake each other on
+// one core (a wake-up puts the woken task beside its waker, and the balancer
+// does not move a task that ran a moment ago), where the hand-over alone
+// leaves them taking turns (wait_reached, kMoveAfterSharedWaits). What is set
+// back is the affinity as the kernel reports it (the CPUs online and in the
+// cpuset then): a thread left to run anywhere keeps running anywhere, but a
+// cpuset widened later does not widen it (README; PYALLREDUCE_CPU_MOVE=0 turns
+// moves off). Returns whether it moved.
+bool move_off_shared_cpu(const Context& ctx) {
+  const int here = sched_getcpu();
+  cpu_set_t allowed;
+  if (here < 0 || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return false;
+  auto free_cpu = [&](int cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) return false;
+    for (int q = 0; q < ctx.world_size; ++q) {
+      if (__atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED) == static_cast<uint32_t>(cpu + 1)) return false;
+    }
+    return true;
+  };
+  const cpu_set_t near = cpus_sharing_llc(here);
+  int target = -1;
+  for (int pass = 0; pass < 2 && target < 0; ++pass) {  // first the CPUs sharing our cache, then any
+    for (int i = 1; i < CPU_SETSIZE; ++i) {
+      const int cpu = (here + i) % CPU_SETSIZE;
+      if ((pass == 1 || CPU_ISSET(cpu, &near)) && free_cpu(cpu)) {
+        target = cpu;
+        break;
+      }
+    }
+  }
+  if (target < 0) return false;
+  cpu_set_t only;
+  CPU_ZERO(&only);
+  CPU_SET(target, &only);
+  if (sched_setaffinity(0, sizeof only, &only) != 0) return false;
+  if (sched_setaffinity(0, sizeof allowed, &allowed) != 0) {
+    // The cpuset shrank away from `allowed` meanwhile: every CPU, which the kernel limits to the cpuset.
+    cpu_set_t every;
+    std::memset(&every, 0xff, sizeof every);
+    sched_setaffinity(0, sizeof every, &every);
+  }
   publish_cpu(ctx);
   return true;
 }
@@ -259,15 +308,15 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
         const bool shared = peer_cpu != 0 && peer_cpu == current_cpu();
         if (shared && !counted_shared) {
           counted_shared = true;
-          ctx.shared_cpu_waits += 1;
+          ctx.shared_cpu_waits = std::min(ctx.shared_cpu_waits + 1, kMoveAfterSharedWaits);
         }
         if (!shared && peer_cpu != 0) ctx.shared_cpu_waits = 0;
         // The higher rank of the two moves, so that two ranks do not move at once. Also beside other
         // busy processes: the balancer counts tasks, so two ranks on one core and two spinners on the
         // other look balanced to it (2 ranks, 2 spinners, 256 B: p90 26 us staying, 2 us moving).
-        if (shared && ctx.rank > q && ctx.shared_cpu_waits >= kMoveAfterSharedWaits &&
-            move_off_shared_cpu(ctx)) {
-          ctx.shared_cpu_waits = 0;
+        if (shared && ctx.rank > q && ctx.shared_cpu_waits >= kMoveAfterSharedWaits && moves_allowed()) {
+          // A move that failed (no free CPU; affinity calls refused) is tried again after as many waits.
+          ctx.shared_cpu_waits = move_off_shared_cpu(ctx) ? 0 : -kRetryMoveAfterWaits;
         } else if (shared) {
           sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
         }
