@@ -305,20 +305,22 @@ bool wait_reached(Context& ctx, int64_t flags_offset, uint32_t e, const char* wh
       last_look = now;
       if (hand_over) {
         const uint32_t peer_cpu = __atomic_load_n(cpu_word(ctx.regions[q]), __ATOMIC_RELAXED);
-        const bool shared = peer_cpu != 0 && peer_cpu == current_cpu();
-        if (shared && !counted_shared) {
-          counted_shared = true;
-          ctx.shared_cpu_waits = std::min(ctx.shared_cpu_waits + 1, kMoveAfterSharedWaits);
-        }
-        if (!shared && peer_cpu != 0) ctx.shared_cpu_waits = 0;
-        // The higher rank of the two moves, so that two ranks do not move at once. Also beside other
-        // busy processes: the balancer counts tasks, so two ranks on one core and two spinners on the
-        // other look balanced to it (2 ranks, 2 spinners, 256 B: p90 26 us staying, 2 us moving).
-        if (shared && ctx.rank > q && ctx.shared_cpu_waits >= kMoveAfterSharedWaits && moves_allowed()) {
-          // A move that failed (no free CPU; affinity calls refused) is tried again after as many waits.
-          ctx.shared_cpu_waits = move_off_shared_cpu(ctx) ? 0 : -kRetryMoveAfterWaits;
-        } else if (shared) {
-          sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
+        if (peer_cpu != 0 && peer_cpu == current_cpu()) {
+          if (!counted_shared) {
+            counted_shared = true;
+            ctx.shared_cpu_waits = std::min(ctx.shared_cpu_waits + 1, kMoveAfterSharedWaits);
+          }
+          // The higher rank of the two moves, so that two ranks do not move at once. Also beside other
+          // busy processes: the balancer counts tasks, so two ranks on one core and two spinners on the
+          // other look balanced to it (2 ranks, 2 spinners, 256 B: p90 26 us staying, 2 us moving).
+          if (ctx.rank > q && ctx.shared_cpu_waits >= kMoveAfterSharedWaits && moves_allowed()) {
+            // A move that failed (no free CPU; affinity calls refused) is tried again after as many waits.
+            ctx.shared_cpu_waits = move_off_shared_cpu(ctx) ? 0 : -kRetryMoveAfterWaits;
+          } else {
+            sched_yield();  // the peer waits for our core (see kSpinFor); before a sleep too, which it may spare
+          }
+        } else if (peer_cpu != 0) {
+          ctx.shared_cpu_waits = 0;  // apart: the count starts again
         }
       }
       if (start == Clock::time_point{}) {  // the clock is read only once a wait is not short
